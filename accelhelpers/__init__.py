@@ -1,0 +1,20 @@
+"""accelhelpers: the small tested package behind the accel-course notebooks.
+
+Importing it does nothing but import torch; every measurement happens when a function is called.
+"""
+
+from .data import Split, digits, mnist1d
+from .device import (DeviceUnavailable, available_devices, best_device, format_report, hardware_report,
+                     in_colab, profile, sync)
+from .models import count_params, udl_mlp, udl_sizes
+from .results import record, results_dir, save_figure
+from .session import Setup, seed_everything, setup
+from .timing import Timing, benchmark, fraction_of_peak, measure_peaks, mlp_flops
+
+__version__ = "0.1.0"
+__all__ = [
+    "DeviceUnavailable", "Setup", "Split", "Timing", "available_devices", "benchmark", "best_device",
+    "count_params", "digits", "format_report", "fraction_of_peak", "hardware_report", "in_colab",
+    "measure_peaks", "mlp_flops", "mnist1d", "profile", "record", "results_dir", "save_figure",
+    "seed_everything", "setup", "sync", "udl_mlp", "udl_sizes",
+]

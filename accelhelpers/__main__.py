@@ -1,0 +1,75 @@
+"""Command line: `python -m accelhelpers env | bench fullbatch | course run | course report`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser."""
+    p = argparse.ArgumentParser(prog="python -m accelhelpers", description="accel-course helpers")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    env = sub.add_parser("env", help="print the hardware report")
+    env.add_argument("--json", action="store_true", help="print it as JSON")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="which", required=True)
+    fb = bsub.add_parser("fullbatch", help="chapter 02: naive loop vs fastai vs the fast paths, side by side")
+    fb.add_argument("--steps", type=int, default=None, help="timed steps per variant (default: by profile)")
+    fb.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    fb.add_argument("--models", type=int, default=None, help="models trained at once in the many-models row")
+
+    course = sub.add_parser("course", help="run the course and report")
+    csub = course.add_subparsers(dest="action", required=True)
+    run = csub.add_parser("run", help="execute the chapters with papermill into build/")
+    run.add_argument("--profile", default="quick", help="quick (CPU, minutes) or full (original sizes)")
+    run.add_argument("--only", default=None, help="comma-separated chapter numbers, e.g. 01,03")
+    run.add_argument("--out", type=Path, default=None, help="output folder (default: build/)")
+    run.add_argument("--no-report", action="store_true", help="do not write the report afterwards")
+    rep = csub.add_parser("report", help="write report.html and report.md from the last run")
+    rep.add_argument("--out", type=Path, default=None, help="the run's folder (default: build/)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "env":
+            from .device import format_report, hardware_report
+
+            print(json.dumps(hardware_report(), indent=1) if args.json else format_report())
+            return 0
+        if args.cmd == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(args)
+        from . import course
+
+        if args.action == "run":
+            statuses = course.run(args.profile, args.only, args.out)
+            for s in statuses:
+                mark = "ok " if s["ok"] else "FAILED"
+                print(f"{mark:6} {s['chapter']} {s['notebook']} ({s['seconds']} s)"
+                      + (f": {s['error']}" if s["error"] else ""))
+            if not args.no_report:
+                md, html = course.report(args.out)
+                print(f"report: {html}")
+            failed = [s["notebook"] for s in statuses if not s["ok"]]
+            if failed:
+                print(f"error: {len(failed)} chapter(s) failed: {', '.join(failed)}", file=sys.stderr)
+                return 1
+            return 0
+        md, html = course.report(args.out)
+        print(f"report: {html}\nreport: {md}")
+        return 0
+    except ValueError as e:  # bad input: one clear line, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Devices: pick the best one, describe the hardware, synchronise, and choose the run profile."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+DEVICE_KINDS = ("cuda", "xla", "mps", "cpu")
+PROFILES = ("quick", "full")
+ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
+
+
+class DeviceUnavailable(RuntimeError):
+    """A device that was asked for is not present on this machine."""
+
+
+def in_colab() -> bool:
+    """True when running inside Google Colab (its kernel module is importable)."""
+    return "google.colab" in sys.modules or importlib.util.find_spec("google.colab") is not None
+
+
+def xla_installed() -> bool:
+    """True when torch_xla can be imported (without importing it: that is slow and grabs devices)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def tpu_present() -> bool:
+    """True when this looks like a TPU host (Colab/Kaggle set TPU_NAME, COLAB_TPU_ADDR or PJRT_DEVICE=TPU)."""
+    env = os.environ
+    return bool(env.get("COLAB_TPU_ADDR") or env.get("TPU_NAME") or env.get("PJRT_DEVICE") == "TPU"
+                or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"))
+
+
+def available_devices() -> list[str]:
+    """The device kinds usable here, best first (cpu is always last and always present)."""
+    kinds = []
+    if torch.cuda.is_available():
+        kinds.append("cuda")
+    if xla_installed() and tpu_present():
+        kinds.append("xla")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        kinds.append("mps")
+    kinds.append("cpu")
+    return kinds
+
+
+def best_device(prefer: str | None = None) -> torch.device:
+    """The best device here (cuda > xla/TPU > mps > cpu), or the one asked for by `prefer` / ACCEL_DEVICE.
+
+    Asking for a device that is not present raises DeviceUnavailable naming the ones that are.
+    """
+    want = prefer or os.environ.get("ACCEL_DEVICE") or None
+    have = available_devices()
+    if want is None:
+        kind = have[0]
+    else:
+        kind = want.split(":")[0].lower()
+        if kind not in DEVICE_KINDS:
+            raise DeviceUnavailable(f"unknown device {want!r}: choose one of {', '.join(DEVICE_KINDS)} "
+                                    f"(present here: {', '.join(have)})")
+        if kind not in have and not (kind == "xla" and xla_installed()):
+            raise DeviceUnavailable(f"device {want!r} is not present on this machine; present here: "
+                                    f"{', '.join(have)}. Unset ACCEL_DEVICE or pass one of those.")
+    if kind == "xla":
+        import torch_xla  # noqa: F401  (imported only when asked for)
+
+        return torch_xla.device()
+    return torch.device(want if want and ":" in want else kind)
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait until every queued kernel on `device` has finished (a no-op on the CPU, which runs eagerly)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+    elif kind == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+
+def profile() -> str:
+    """The run profile: ACCEL_PROFILE if set, else 'full' with an accelerator and 'quick' without."""
+    value = os.environ.get("ACCEL_PROFILE", "").strip().lower()
+    if value:
+        if value not in PROFILES:
+            raise ValueError(f"ACCEL_PROFILE={value!r} is not a profile: choose one of {', '.join(PROFILES)}")
+        return value
+    return "quick" if available_devices()[0] == "cpu" else "full"
+
+
+def _cpu_info() -> tuple[str, list[str]]:
+    """CPU model name and the ISA flags of interest (read from /proc/cpuinfo where there is one)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = val.strip()
+                elif key in ("flags", "Features"):
+                    flags.update(val.split())
+    except OSError:
+        pass
+    return model, [f for f in ISA_FLAGS if f in flags]
+
+
+def _gpu_info() -> dict[str, Any]:
+    """Name, memory, compute capability and bf16 support of CUDA device 0."""
+    p = torch.cuda.get_device_properties(0)
+    return {"gpu": p.name, "gpu_memory_gb": round(p.total_memory / 2**30, 1),
+            "compute_capability": f"{p.major}.{p.minor}", "gpu_count": torch.cuda.device_count(),
+            "cuda_bf16": bool(torch.cuda.is_bf16_supported())}
+
+
+def hardware_report() -> dict[str, Any]:
+    """What this machine is: versions, CPU model/cores/ISA, GPU, bf16 support, XLA, best device, profile."""
+    model, flags = _cpu_info()
+    report: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda_build": torch.version.cuda, "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
+        "torch_xla": None, "colab": in_colab(), "devices": available_devices(),
+    }
+    if xla_installed():
+        from importlib.metadata import version
+
+        report["torch_xla"] = version("torch_xla")
+    if torch.cuda.is_available():
+        report.update(_gpu_info())
+    report["best_device"] = report["devices"][0]
+    try:
+        report["profile"] = profile()
+    except ValueError as e:
+        report["profile"] = f"invalid ({e})"
+    return report
+
+
+def format_report(report: dict[str, Any] | None = None) -> str:
+    """The hardware report as aligned 'key: value' lines for printing."""
+    report = hardware_report() if report is None else report
+    width = max(len(k) for k in report)
+    lines = []
+    for k, v in report.items():
+        if isinstance(v, list):
+            v = " ".join(map(str, v)) or "-"
+        lines.append(f"{k:<{width}} : {v}")
+    return "\n".join(lines)

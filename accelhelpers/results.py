@@ -1,0 +1,108 @@
+"""Results of a chapter run: named values with units and figures, written where the course report finds them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_state: dict[str, str | None] = {"chapter": None}
+
+
+def repo_root(start: Path | None = None) -> Path | None:
+    """The accel-course checkout above `start` (the folder holding pyproject.toml and accelhelpers/)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "pyproject.toml").exists() and (folder / "accelhelpers").is_dir():
+            return folder
+    return None
+
+
+def build_dir() -> Path:
+    """Where runs write their outputs: ACCEL_BUILD, else build/ in the checkout, else ./build."""
+    env = os.environ.get("ACCEL_BUILD")
+    if env:
+        return Path(env)
+    root = repo_root()
+    return (root or Path.cwd()) / "build"
+
+
+def results_dir() -> Path:
+    """Where recorded results go: ACCEL_RESULTS_DIR (set by the course runner), else build/results."""
+    return Path(os.environ.get("ACCEL_RESULTS_DIR") or build_dir() / "results")
+
+
+def set_chapter(chapter: str) -> None:
+    """Name the chapter that later `record` calls belong to (done by `setup`)."""
+    if not chapter or not str(chapter).strip():
+        raise ValueError("chapter must be a non-empty name such as '01'")
+    _state["chapter"] = str(chapter)
+
+
+def current_chapter() -> str:
+    """The chapter set by `setup`/`set_chapter`, or 'scratch' outside a chapter."""
+    return _state["chapter"] or "scratch"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write text through a temporary file and a rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types for numbers that come from torch or numpy."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def record(name: str, value: Any, unit: str = "", note: str = "") -> Any:
+    """Record a named measurement of the current chapter (replacing one of the same name) and return it."""
+    if not name:
+        raise ValueError("a result needs a name")
+    path = results_dir() / f"{current_chapter()}.json"
+    entries = load_chapter(path)
+    entries = [e for e in entries if e["name"] != name]
+    entries.append({"name": name, "value": _jsonable(value), "unit": unit, "note": note, "time": time.time()})
+    _atomic_write_text(path, json.dumps(entries, indent=1))
+    return value
+
+
+def load_chapter(path: Path) -> list[dict[str, Any]]:
+    """The entries recorded in one chapter's results file (empty if there is none)."""
+    if not path.exists():
+        return []
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"results file {path} is not valid JSON ({e}); delete it and re-run the chapter") from e
+
+
+def load_results(folder: Path | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every chapter's recorded results in `folder`, keyed by chapter."""
+    folder = folder or results_dir()
+    return {p.stem: load_chapter(p) for p in sorted(Path(folder).glob("*.json"))}
+
+
+def save_figure(fig: Any, name: str) -> Path:
+    """Save a matplotlib figure as PNG for the course report (figures/<chapter>_<name>.png) and return the path."""
+    path = results_dir() / "figures" / f"{current_chapter()}_{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path

@@ -1,0 +1,51 @@
+"""The setup every chapter starts with: seed, choose the device, announce the hardware and the profile."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .device import best_device, format_report, hardware_report, profile
+from .results import set_chapter
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) so a run can be repeated."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Setup:
+    """What a chapter needs to know about where it runs."""
+
+    chapter: str
+    device: torch.device
+    profile: str
+    report: dict
+
+    @property
+    def quick(self) -> bool:
+        """True in the quick (CPU, minutes) profile."""
+        return self.profile == "quick"
+
+
+def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True) -> Setup:
+    """Start a chapter: seed, pick the device (announcing a CPU fallback), print the hardware report."""
+    set_chapter(chapter)
+    seed_everything(seed)
+    dev = best_device(device)
+    prof = profile()
+    report = hardware_report()
+    if verbose:
+        print(format_report(report))
+        if dev.type == "cpu":
+            print("\nNo GPU or TPU found: running on the CPU. Every cell still runs; sizes follow the "
+                  f"'{prof}' profile (set ACCEL_PROFILE=full for the original sizes).")
+        else:
+            print(f"\nUsing {dev} with the '{prof}' profile.")
+    return Setup(chapter, dev, prof, report)

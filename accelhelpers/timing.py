@@ -1,0 +1,142 @@
+"""Timing done right: warm-up, device sync, repeats, robust statistics, FLOP counts and measured peaks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .device import sync
+
+
+@dataclass
+class Timing:
+    """Seconds per call over repeated measurements, with the statistics a benchmark should report."""
+
+    times: list[float] = field(repr=False)
+    calls_per_repeat: int = 1
+
+    @property
+    def median(self) -> float:
+        """Median seconds per call (robust to the odd slow repeat)."""
+        return statistics.median(self.times)
+
+    @property
+    def best(self) -> float:
+        """Fastest seconds per call (what the hardware can do when nothing interferes)."""
+        return min(self.times)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range relative to the median: how noisy the measurement is."""
+        if len(self.times) < 4:
+            return (max(self.times) - min(self.times)) / self.median
+        q = statistics.quantiles(self.times, n=4)
+        return (q[2] - q[0]) / self.median
+
+    @property
+    def per_second(self) -> float:
+        """Calls per second at the median."""
+        return 1.0 / self.median
+
+    def __str__(self) -> str:
+        return f"{_fmt_seconds(self.median)} median, {_fmt_seconds(self.best)} best, ±{self.spread:.0%} IQR"
+
+
+def _fmt_seconds(s: float) -> str:
+    """Seconds with a unit that keeps 3 significant digits."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+def benchmark(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 3,
+              repeats: int = 7, min_time: float = 0.05, max_calls: int = 1_000_000) -> Timing:
+    """Time `fn()` properly: warm up, calibrate calls per repeat to last `min_time`, sync the device around
+    each repeat, and return per-call times of `repeats` repeats."""
+    if repeats < 1 or warmup < 0 or min_time < 0:
+        raise ValueError("benchmark needs repeats >= 1, warmup >= 0 and min_time >= 0")
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    calls = 1
+    while True:  # calibrate: double the calls until one repeat lasts min_time
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_time or calls >= max_calls:
+            break
+        calls = min(max_calls, calls * 2 if elapsed <= 0 else max(calls * 2, int(calls * min_time / elapsed)))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) / calls)
+    return Timing(times, calls)
+
+
+def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:
+    """Seconds per call measured the wrong way, without a device sync: on a GPU this times the launch only."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def mlp_flops(sizes: Sequence[int], batch: int, *, backward: bool = True) -> int:
+    """Multiply-add FLOPs (2 per MAC) of one MLP step over `batch` rows; backward costs 2x forward
+    (gradients for inputs and weights), except that the first layer needs no input gradient."""
+    if batch <= 0 or len(sizes) < 2 or any(s <= 0 for s in sizes):
+        raise ValueError("mlp_flops needs batch > 0 and at least two positive layer sizes")
+    macs = [a * b for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
+    forward = 2 * batch * sum(macs)
+    if not backward:
+        return forward
+    weight_grads = 2 * batch * sum(macs)
+    input_grads = 2 * batch * sum(macs[1:])
+    return forward + weight_grads + input_grads
+
+
+def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  min_time: float = 0.05, repeats: int = 5) -> float:
+    """Measured GFLOP/s of an n x n by n x n matmul (best repeat)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    t = benchmark(lambda: torch.mm(a, b, out=out), device, min_time=min_time, repeats=repeats)
+    return 2 * n**3 / t.best / 1e9
+
+
+def copy_gbps(n_bytes: int, device: torch.device | str = "cpu", min_time: float = 0.05,
+              repeats: int = 5) -> float:
+    """Measured GB/s of copying an `n_bytes` fp32 buffer (a read and a write per byte counted)."""
+    n = max(1, n_bytes // 4)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    t = benchmark(lambda: dst.copy_(src), device, min_time=min_time, repeats=repeats)
+    return 2 * 4 * n / t.best / 1e9
+
+
+def measure_peaks(device: torch.device | str = "cpu", quick: bool = True) -> dict[str, float]:
+    """The machine's measured fp32 matmul peak (GFLOP/s, best over sizes) and large-copy bandwidth (GB/s)."""
+    sizes = (512, 1024, 2048) if quick else (1024, 2048, 4096, 8192)
+    if torch.device(device).type != "cpu":
+        sizes = (2048, 4096, 8192)
+    gflops = max(matmul_gflops(n, device) for n in sizes)
+    gbps = copy_gbps(256 * 2**20 if not quick else 64 * 2**20, device)
+    return {"matmul_gflops": gflops, "copy_gbps": gbps}
+
+
+def fraction_of_peak(achieved_gflops: float, peak_gflops: float) -> float:
+    """Achieved over peak, a number between 0 and about 1."""
+    if peak_gflops <= 0:
+        raise ValueError("peak_gflops must be positive")
+    return achieved_gflops / peak_gflops
