@@ -1,7 +1,11 @@
 """accelhelpers: the small tested package behind the accel-course notebooks.
 
 Importing it does nothing but import torch; every measurement happens when a function is called.
+Submodules (`ah.timing`, `ah.optim`, ...) load on first use.
 """
+
+import importlib
+from typing import Any
 
 from .data import Split, digits, mnist1d
 from .device import (DeviceUnavailable, available_devices, best_device, format_report, hardware_report,
@@ -18,3 +22,15 @@ __all__ = [
     "measure_peaks", "mlp_flops", "mnist1d", "profile", "record", "results_dir", "save_figure",
     "seed_everything", "setup", "sync", "udl_mlp", "udl_sizes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a submodule such as `ah.optim` on first access."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name == f"{__name__}.{name}":
+            raise AttributeError(f"module 'accelhelpers' has no attribute or submodule {name!r}") from None
+        raise
