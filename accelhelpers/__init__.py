@@ -8,8 +8,16 @@ import importlib
 from typing import Any
 
 from .data import Split, digits, mnist1d
-from .device import (DeviceUnavailable, available_devices, best_device, format_report, hardware_report,
-                     in_colab, profile, sync)
+from .device import (
+    DeviceUnavailable,
+    available_devices,
+    best_device,
+    format_report,
+    hardware_report,
+    in_colab,
+    profile,
+    sync,
+)
 from .models import count_params, udl_mlp, udl_sizes
 from .results import record, results_dir, save_figure
 from .session import Setup, seed_everything, setup

@@ -1,0 +1,86 @@
+"""The CLI end to end: env, a course run (real chapter 01 and a failing chapter), the report, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, env=None, cwd=ROOT):
+    full = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "accelhelpers", *args], capture_output=True, text=True,
+                          cwd=cwd, env=full, timeout=300)
+
+
+def _notebook(path: Path, *sources: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture()
+def toy_course(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    _notebook(nbs / "01_ok.ipynb", "import accelhelpers as ah\nS = ah.setup('01', verbose=False)",
+              "ah.record('answer', 42.0, 'units', 'a toy result')")
+    _notebook(nbs / "02_broken.ipynb", "import accelhelpers as ah\nah.setup('02', verbose=False)",
+              "raise RuntimeError('this chapter is broken on purpose')")
+    _notebook(nbs / "03_ok.ipynb", "import accelhelpers as ah\nah.setup('03', verbose=False)",
+              "ah.record('three', 3, 'x')")
+    return tmp_path
+
+
+def test_env_prints_the_report():
+    r = cli("env")
+    assert r.returncode == 0 and "best_device" in r.stdout and "torch" in r.stdout
+    assert json.loads(cli("env", "--json").stdout)["torch"]
+
+
+def test_run_goes_on_past_a_failing_chapter_and_names_it(toy_course):
+    out = toy_course / "build"
+    r = cli("course", "run", "--out", str(out), env={"ACCEL_NOTEBOOKS": str(toy_course / "notebooks")})
+    assert r.returncode == 1
+    assert "02_broken.ipynb" in r.stderr and "failed" in r.stderr
+    run = json.loads((out / "run.json").read_text())
+    assert [run["chapters"][k]["ok"] for k in ("01", "02", "03")] == [True, False, True]
+    assert "broken on purpose" in run["chapters"]["02"]["error"]
+    report = (out / "report.md").read_text()
+    assert "| answer | 42 | units | a toy result |" in report and "FAILED" in report
+    assert "broken on purpose" in (out / "report.html").read_text()
+    assert (out / "notebooks" / "01_ok.ipynb").exists()
+
+
+def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    r = cli("course", "run", "--only", "99", "--out", str(out))
+    assert r.returncode == 2 and "no chapter '99': choose from 01" in r.stderr and not out.exists()
+    r = cli("course", "run", "--profile", "bogus", "--out", str(out))
+    assert r.returncode == 2 and "choose one of quick, full" in r.stderr and not out.exists()
+    afile = tmp_path / "file.txt"
+    afile.write_text("x")
+    r = cli("course", "run", "--out", str(afile))
+    assert r.returncode == 2 and "is a file, not a folder" in r.stderr and afile.read_text() == "x"
+    r = cli("course", "report", "--out", str(out))
+    assert r.returncode == 2 and "no course run found" in r.stderr
+    r = cli("env", env={"ACCEL_PROFILE": "bogus"})
+    assert r.returncode == 0 and "invalid" in r.stdout
+
+
+def test_real_chapter_01_through_the_cli(tmp_path):
+    out = tmp_path / "build"
+    r = cli("course", "run", "--only", "1", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    names = {e["name"] for e in json.loads((out / "results" / "01.json").read_text())}
+    assert {"fp32_matmul_peak", "copy_bandwidth", "mlp_forward_overhead"} <= names
+    assert (out / "results" / "figures" / "01_roofline.png").exists()
+    html = (out / "report.html").read_text()
+    assert "fp32_matmul_peak" in html and "01_roofline.png" in html and "GFLOP/s" in html
+    assert not list((ROOT / "notebooks").glob("*.tmp*"))

@@ -1,0 +1,63 @@
+"""timing: the benchmark, FLOP counts, measured peaks."""
+
+import time
+
+import pytest
+import torch
+
+import accelhelpers as ah
+from accelhelpers import timing
+
+
+def test_benchmark_measures_a_known_sleep():
+    t = ah.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
+    assert 0.0018 < t.median < 0.01
+    assert t.best <= t.median and len(t.times) == 3 and t.calls_per_repeat >= 1
+    assert "median" in str(t) and t.per_second == pytest.approx(1 / t.median)
+
+
+def test_benchmark_warms_up_and_calibrates():
+    calls = []
+    t = ah.benchmark(lambda: calls.append(1), warmup=5, repeats=2, min_time=0.001)
+    assert len(calls) >= 5 + 2 * t.calls_per_repeat and t.calls_per_repeat > 1
+
+
+def test_benchmark_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        ah.benchmark(lambda: None, repeats=0)
+
+
+def test_mlp_flops_matches_a_hand_count():
+    # forward 2*B*(a*b + b*c); weight grads the same; input grads only for the second layer
+    assert ah.mlp_flops([3, 4, 5], 2, backward=False) == 2 * 2 * (12 + 20)
+    assert ah.mlp_flops([3, 4, 5], 2) == 2 * 2 * (12 + 20) * 2 + 2 * 2 * 20
+
+
+def test_mlp_flops_matches_torch_flop_counter():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sizes = ah.udl_sizes(4)
+    model, x = ah.udl_mlp(4), torch.randn(64, 40)
+    with FlopCounterMode(display=False) as fc:
+        model(x).sum().backward()
+    assert fc.get_total_flops() == ah.mlp_flops(sizes, 64)
+
+
+def test_mlp_flops_bad_input():
+    with pytest.raises(ValueError):
+        ah.mlp_flops([40], 10)
+    with pytest.raises(ValueError):
+        ah.mlp_flops([40, 10], 0)
+
+
+def test_peaks_are_plausible():
+    gf = timing.matmul_gflops(256, min_time=0.01, repeats=2)
+    bw = timing.copy_gbps(8 * 2**20, min_time=0.01, repeats=2)
+    assert 0.1 < gf < 1e6 and 0.1 < bw < 1e5
+    assert ah.fraction_of_peak(50.0, 200.0) == 0.25
+    with pytest.raises(ValueError):
+        ah.fraction_of_peak(1.0, 0.0)
+
+
+def test_unsynced_time_is_positive():
+    assert timing.time_unsynced(lambda: None, calls=3) >= 0
