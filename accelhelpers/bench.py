@@ -1,0 +1,194 @@
+"""`python -m accelhelpers bench fullbatch`: chapter 02's loops side by side in one process.
+
+JSON schema ("accel-course/bench-fullbatch/1"):
+  created            ISO date and time of the run
+  hardware           the hardware report (accelhelpers.device.hardware_report)
+  workload           {"model": "udlbook MLP 4x63", "sizes": [...], "batch": 4000, "lr": 0.0025,
+                      "train_flops_per_model_step": int}
+  peak_gflops        measured fp32 matmul peak of this device (GFLOP/s)
+  variants           one object per loop, in ablation order, with
+      name, description     short id and what changed
+      n_models              models trained by one step
+      steps_per_s           training steps per second (one step trains n_models models)
+      model_steps_per_s     steps_per_s * n_models
+      gflops                model_steps_per_s * train FLOPs per model step / 1e9 (training FLOPs only)
+      fraction_of_peak      gflops / peak_gflops
+      speedup_vs_naive      model_steps_per_s / the naive loop's
+      original_experiment_h projected hours for udlbook's 1.1 million model-epochs at this rate
+      warmup_s              seconds of the untimed warm-up (includes torch.compile's compile time)
+      timed_steps           steps timed (--steps, or as many as fill about 1.5 s quick / 5 s full)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import train
+from .data import Split, mnist1d
+from .device import best_device, hardware_report, profile, sync
+from .models import udl_mlp, udl_sizes
+from .results import _atomic_write_text
+from .timing import measure_peaks, mlp_flops
+
+SCHEMA = "accel-course/bench-fullbatch/1"
+ORIGINAL_MODEL_EPOCHS = 3 * 200_000 + 500_000  # udlbook: depths 2-4 for 200k epochs, depth 1 for 500k
+DEPTH, LR = 4, 0.0025
+
+
+@dataclass
+class Variant:
+    """One loop of the comparison: `make()` builds it, returning a function that trains n epochs."""
+
+    name: str
+    description: str
+    n_models: int
+    make: Callable[[], Callable[[int], object]]
+
+
+@dataclass
+class Row:
+    """One measured row of the benchmark table."""
+
+    name: str
+    description: str
+    n_models: int
+    steps_per_s: float
+    model_steps_per_s: float
+    gflops: float
+    fraction_of_peak: float
+    speedup_vs_naive: float
+    original_experiment_h: float
+    warmup_s: float
+    timed_steps: int
+
+
+def _fastai_runner(data: Split) -> Callable[[int], object]:
+    """fastai's Learner.fit on the full-batch workload, without progress bars or logging."""
+    learn = train.fastai_learner(udl_mlp(DEPTH, seed=0).to(data.device), data, LR)
+
+    def fit(n: int) -> None:
+        with learn.no_bar(), learn.no_logging():
+            learn.fit(n, LR)
+    return fit
+
+
+def variants(data: Split, n_models: int = 32, compile: bool = True) -> list[Variant]:
+    """The ablation, in order: each row changes one thing relative to the row before it (fastai aside)."""
+    m = lambda: udl_mlp(DEPTH, seed=0).to(data.device)  # noqa: E731
+    loop = train.FullBatchLoop
+    rows = [
+        Variant("naive", "DataLoader over TensorDataset (bs 4000), errors into NumPy each epoch", 1,
+                lambda: lambda n: train.naive_fullbatch(m(), data, n, LR)),
+        Variant("fastai", "fastai Learner.fit, one batch of 4000, SGD", 1, lambda: _fastai_runner(data)),
+        Variant("tensors", "device tensors, no DataLoader; still a host sync per epoch", 1,
+                lambda: loop(m(), data, LR, host_sync=True, fused=False).run),
+        Variant("no_sync", "+ metrics kept on the device, read once at the end", 1,
+                lambda: loop(m(), data, LR, fused=False).run),
+        Variant("fast", "+ zero_grad(set_to_none=True), foreach SGD", 1, lambda: loop(m(), data, LR).run),
+    ]
+    if compile:
+        rows.append(Variant("compiled", "+ torch.compile of the whole step", 1,
+                            lambda: loop(m(), data, LR, compile=True).run))
+    models = lambda: [udl_mlp(DEPTH, seed=i) for i in range(n_models)]  # noqa: E731
+    rows.append(Variant("many", f"+ {n_models} models in one step (batched matmuls)", n_models,
+                        lambda: train.ManyModelsLoop(models(), data, LR).run))
+    return rows
+
+
+def measure(variant: Variant, steps: int | None = None, seconds: float = 1.5) -> tuple[float, float, int]:
+    """(steps/s, warm-up seconds, timed steps) of one variant: build it, warm up (this is where torch.compile
+    compiles), then time `steps` epochs, or as many as last about `seconds` when steps is None."""
+    dev = _device()
+    t0 = time.perf_counter()
+    run = variant.make()
+    run(2)
+    sync(dev)
+    warm = time.perf_counter() - t0
+    if steps is None:
+        t0 = time.perf_counter()
+        run(2)
+        sync(dev)
+        steps = int(min(100_000, max(3, seconds * 2 / (time.perf_counter() - t0))))
+    t0 = time.perf_counter()
+    run(steps)
+    sync(dev)
+    return steps / (time.perf_counter() - t0), warm, steps
+
+
+_DEV: dict[str, torch.device] = {}
+
+
+def _device() -> torch.device:
+    """The device the benchmark runs on (chosen once)."""
+    if "d" not in _DEV:
+        _DEV["d"] = best_device()
+    return _DEV["d"]
+
+
+def run_fullbatch(steps: int | None = None, n_models: int = 32, compile: bool = True,
+                  data: Split | None = None, peak_gflops: float | None = None, seconds: float | None = None,
+                  progress: bool = True) -> dict[str, Any]:
+    """Measure every variant in one process and return the JSON-ready result (see the module docstring)."""
+    device = _device()
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {steps}")
+    if n_models < 1:
+        raise ValueError(f"--models must be at least 1, got {n_models}")
+    seconds = seconds or (1.5 if profile() == "quick" else 5.0)
+    data = data if data is not None else mnist1d(device)
+    peak = peak_gflops or measure_peaks(device)["matmul_gflops"]
+    flops = mlp_flops(udl_sizes(DEPTH), len(data.x_train))
+    from tqdm.auto import tqdm
+
+    rows: list[Row] = []
+    bar = tqdm(variants(data, n_models, compile), desc="bench", unit="variant", disable=not progress)
+    for v in bar:
+        bar.set_postfix_str(v.name)
+        sps, warm, n = measure(v, steps, seconds)
+        msps = sps * v.n_models
+        naive = rows[0].model_steps_per_s if rows else msps
+        gf = msps * flops / 1e9
+        rows.append(Row(v.name, v.description, v.n_models, sps, msps, gf, gf / peak, msps / naive,
+                        ORIGINAL_MODEL_EPOCHS / msps / 3600, warm, n))
+    return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "hardware": hardware_report(),
+            "workload": {"model": "udlbook MLP 4x63", "sizes": udl_sizes(DEPTH), "batch": len(data.x_train),
+                         "lr": LR, "train_flops_per_model_step": flops},
+            "peak_gflops": peak, "variants": [asdict(r) for r in rows]}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The benchmark as a fixed-width text table."""
+    head = (f"{'variant':10} {'models':>6} {'steps/s':>9} {'model-steps/s':>13} {'GFLOP/s':>8} {'of peak':>8} "
+            f"{'vs naive':>8} {'udlbook run':>12}")
+    lines = [head, "-" * len(head)]
+    for r in result["variants"]:
+        lines.append(f"{r['name']:10} {r['n_models']:6d} {r['steps_per_s']:9.1f} {r['model_steps_per_s']:13.1f} "
+                     f"{r['gflops']:8.1f} {r['fraction_of_peak']:8.1%} {r['speedup_vs_naive']:7.1f}x "
+                     f"{_hours(r['original_experiment_h']):>12}")
+    lines.append(f"peak (measured fp32 matmul): {result['peak_gflops']:.1f} GFLOP/s; training FLOPs per model "
+                 f"step: {result['workload']['train_flops_per_model_step'] / 1e6:.1f} M")
+    return "\n".join(lines)
+
+
+def _hours(h: float) -> str:
+    """A duration in hours as a short human string."""
+    return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days"
+
+
+def main(args: Any) -> int:
+    """CLI entry: run the benchmark, print the table, write JSON if asked."""
+    if args.json is not None and args.json.exists() and args.json.is_dir():
+        raise ValueError(f"--json {args.json} is a folder: give a file path such as build/bench.json")
+    result = run_fullbatch(steps=args.steps, n_models=args.models or 32)
+    print(table(result))
+    if args.json is not None:
+        _atomic_write_text(Path(args.json), json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+    return 0

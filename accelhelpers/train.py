@@ -1,0 +1,218 @@
+"""The training loops chapter 02 compares: the naive reference, a configurable loop for the ablation,
+many models trained at once, and fastai's Learner on the same full-batch workload."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from .data import Split
+
+
+@dataclass
+class History:
+    """Per-epoch % error on the training and test sets (one row per model for many-model runs)."""
+
+    train_err: np.ndarray
+    test_err: np.ndarray
+    loss: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def final(self) -> tuple[float, float]:
+        """Last epoch's (train, test) error in %, averaged over models."""
+        return float(np.mean(self.train_err[..., -1])), float(np.mean(self.test_err[..., -1]))
+
+
+def _check(data: Split, epochs: int, lr: float) -> None:
+    """Refuse arguments that would make a run meaningless."""
+    if epochs < 1:
+        raise ValueError(f"epochs must be at least 1, got {epochs}")
+    if not lr > 0:
+        raise ValueError(f"the learning rate must be positive, got {lr}")
+    if data.x_train.ndim != 2 or len(data.x_train) != len(data.y_train):
+        raise ValueError(f"expected x_train [N, features] with N labels, got {tuple(data.x_train.shape)} "
+                         f"and {tuple(data.y_train.shape)}")
+
+
+def naive_fullbatch(model: nn.Module, data: Split, epochs: int, lr: float = 0.0025) -> History:
+    """The loop as popular notebooks write it: a DataLoader over a TensorDataset with batch_size = the whole
+    set (it collates 4000 items per step), SGD, and per-epoch errors copied into NumPy (a host sync)."""
+    _check(data, epochs, lr)
+    loss_function = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data_loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train),
+                             shuffle=True)
+    errors_train, errors_test, losses = np.zeros(epochs), np.zeros(epochs), np.zeros(epochs)
+    for epoch in range(epochs):
+        for x_batch, y_batch in data_loader:
+            optimizer.zero_grad()
+            pred = model(x_batch)
+            loss = loss_function(pred, y_batch)
+            loss.backward()
+            optimizer.step()
+        pred_train = model(data.x_train)
+        pred_test = model(data.x_test)
+        _, predicted_train_class = torch.max(pred_train.data, 1)
+        _, predicted_test_class = torch.max(pred_test.data, 1)
+        errors_train[epoch] = 100 - 100 * (predicted_train_class == data.y_train).float().sum() / len(data.y_train)
+        errors_test[epoch] = 100 - 100 * (predicted_test_class == data.y_test).float().sum() / len(data.y_test)
+        losses[epoch] = loss.item()
+    return History(errors_train, errors_test, losses)
+
+
+def error_percent(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """% of rows whose argmax is not the label, as a 0-d tensor on the logits' device (no host sync)."""
+    return (logits.argmax(-1) != y).float().mean(-1) * 100
+
+
+class FullBatchLoop:
+    """One full-batch training loop with each speed-up as a switch, so the ablation changes one thing at a time.
+
+    dataloader: go through a DataLoader over a TensorDataset (True) or use the device tensors directly.
+    host_sync: read the metrics into NumPy every epoch (True) or keep them on the device and read once.
+    fused: zero_grad(set_to_none=True) and a foreach SGD (vs. zeroing in place and a per-parameter loop).
+    compile: torch.compile the whole step (inductor on CPU; mode='reduce-overhead', CUDA graphs, on GPU).
+    Train error comes from the step's own forward pass (before the update); test error from a no-grad pass.
+    """
+
+    def __init__(self, model: nn.Module, data: Split, lr: float = 0.0025, *, dataloader: bool = False,
+                 host_sync: bool = False, fused: bool = True, compile: bool = False) -> None:
+        _check(data, 1, lr)
+        self.model, self.data, self.host_sync, self.fused = model, data, host_sync, fused
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=fused)
+        self.loader = (DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train))
+                       if dataloader else None)
+        step = self._step
+        if compile:
+            mode = "reduce-overhead" if data.device.type == "cuda" else None
+            step = torch.compile(step, mode=mode)
+        self.step = step
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward, backward, update; returns (loss, train error %, test error %) as device tensors."""
+        logits = self.model(x)
+        loss = F.cross_entropy(logits, y)
+        self.opt.zero_grad(set_to_none=self.fused)
+        loss.backward()
+        self.opt.step()
+        with torch.no_grad():
+            test_err = error_percent(self.model(self.data.x_test), self.data.y_test)
+        return loss.detach(), error_percent(logits.detach(), y), test_err
+
+    def run(self, epochs: int) -> History:
+        """Train for `epochs` full-batch steps and return the per-epoch errors."""
+        _check(self.data, epochs, 1.0)
+        dev = self.data.device
+        metrics = torch.zeros(3, epochs, device=dev)
+        host = np.zeros((3, epochs))
+        for epoch in range(epochs):
+            if self.loader is not None:
+                x, y = next(iter(self.loader))
+            else:
+                x, y = self.data.x_train, self.data.y_train
+            loss, tr, te = self.step(x, y)
+            if self.host_sync:
+                host[:, epoch] = (loss.item(), tr.item(), te.item())
+            else:
+                metrics[0, epoch], metrics[1, epoch], metrics[2, epoch] = loss, tr, te
+        if not self.host_sync:
+            host = metrics.cpu().numpy()  # the one read of the whole run
+        return History(host[1], host[2], host[0])
+
+
+class ManyMLP(nn.Module):
+    """K independent ReLU MLPs of the same shape evaluated as batched matmuls: weights [K, in, out].
+
+    The first layer of all K models is one matmul against the shared input; later layers are `baddbmm`.
+    """
+
+    def __init__(self, models: list[nn.Sequential]) -> None:
+        super().__init__()
+        linears = [[m for m in model if isinstance(m, nn.Linear)] for model in models]
+        if not linears or any(len(ls) != len(linears[0]) for ls in linears):
+            raise ValueError("ManyMLP needs at least one model, all of the same depth")
+        self.k = len(models)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.stack([ls[i].weight.detach().T.contiguous() for ls in linears]))
+            for i in range(len(linears[0])))
+        self.biases = nn.ParameterList(
+            nn.Parameter(torch.stack([ls[i].bias.detach() for ls in linears]).unsqueeze(1))
+            for i in range(len(linears[0])))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, in] -> logits [K, B, out]."""
+        w0, b0 = self.weights[0], self.biases[0]
+        k, n_in, n_out = w0.shape
+        h = (x @ w0.permute(1, 0, 2).reshape(n_in, k * n_out)).reshape(len(x), k, n_out).transpose(0, 1) + b0
+        for w, b in zip(self.weights[1:], self.biases[1:]):
+            h = torch.baddbmm(b, torch.relu(h), w)
+        return h
+
+    def model(self, i: int) -> nn.Sequential:
+        """Model `i` as an ordinary nn.Sequential (weights copied out)."""
+        sizes = [self.weights[0].shape[1]] + [w.shape[2] for w in self.weights]
+        layers: list[nn.Module] = []
+        for j, (w, b) in enumerate(zip(self.weights, self.biases)):
+            lin = nn.Linear(sizes[j], sizes[j + 1])
+            with torch.no_grad():
+                lin.weight.copy_(w[i].T)
+                lin.bias.copy_(b[i, 0])
+            layers += [lin] + ([nn.ReLU()] if j < len(self.weights) - 1 else [])
+        return nn.Sequential(*layers)
+
+
+class ManyModelsLoop(FullBatchLoop):
+    """Full-batch SGD of K models at once (a ManyMLP): each model's loss is its own mean cross-entropy, so
+    the summed loss gives every model exactly the gradient it would get alone."""
+
+    def __init__(self, models: list[nn.Sequential], data: Split, lr: float = 0.0025, *,
+                 compile: bool = False) -> None:
+        self.many = ManyMLP(models).to(data.device)
+        super().__init__(self.many, data, lr, compile=compile)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step for all K models; returns per-model (loss, train error %, test error %)."""
+        logits = self.many(x)  # [K, B, C]
+        k, b, c = logits.shape
+        losses = F.cross_entropy(logits.reshape(k * b, c), y.repeat(k), reduction="none").view(k, b).mean(1)
+        self.opt.zero_grad(set_to_none=True)
+        losses.sum().backward()
+        self.opt.step()
+        with torch.no_grad():
+            test_err = error_percent(self.many(self.data.x_test), self.data.y_test)
+        return losses.detach(), error_percent(logits.detach(), y), test_err
+
+    def run(self, epochs: int) -> History:
+        """Train all K models for `epochs` steps; histories have shape [K, epochs]."""
+        _check(self.data, epochs, 1.0)
+        k = self.many.k
+        metrics = torch.zeros(3, k, epochs, device=self.data.device)
+        for epoch in range(epochs):
+            loss, tr, te = self.step(self.data.x_train, self.data.y_train)
+            metrics[0, :, epoch], metrics[1, :, epoch], metrics[2, :, epoch] = loss, tr, te
+        host = metrics.cpu().numpy()
+        return History(host[1], host[2], host[0])
+
+
+def fastai_learner(model: nn.Module, data: Split, lr: float = 0.0025):
+    """A fastai Learner on the same full-batch workload: one batch of the whole set, plain SGD, no momentum."""
+    import fastai.callback.progress  # noqa: F401  (adds Learner.no_bar and the progress bar)
+    from fastai.data.core import DataLoaders
+    from fastai.learner import Learner
+    from fastai.optimizer import SGD
+
+    train = TensorDataset(data.x_train, data.y_train)
+    valid = TensorDataset(data.x_test, data.y_test)
+    dls = DataLoaders.from_dsets(train, valid, bs=len(data.x_train), shuffle=True, device=data.device)
+    return Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=partial(SGD, mom=0.0, wd=0.0), lr=lr)
+
+
+def clone(model: nn.Module) -> nn.Module:
+    """An independent copy (same initial weights) for a fair side-by-side run."""
+    return copy.deepcopy(model)

@@ -1,0 +1,80 @@
+"""train: the fast path follows the naive loop's trajectory; many models = each model alone; fastai runs."""
+
+import numpy as np
+import pytest
+import torch
+from torch.func import functional_call, stack_module_state, vmap
+
+import accelhelpers as ah
+from accelhelpers import train
+
+
+@pytest.fixture(scope="module")
+def data():
+    return ah.mnist1d()
+
+
+def test_fast_path_follows_the_naive_trajectory(data):
+    m = ah.udl_mlp(4, seed=0)
+    naive = train.naive_fullbatch(train.clone(m), data, 300)
+    fast = train.FullBatchLoop(train.clone(m), data).run(300)
+    np.testing.assert_allclose(fast.loss, naive.loss, rtol=1e-4, atol=1e-5)
+    assert naive.loss[-1] < naive.loss[0]  # it did learn something
+    # the fast path's train error is measured before each update, the naive one after it
+    np.testing.assert_allclose(fast.train_err[1:], naive.train_err[:-1], atol=0.1)
+    np.testing.assert_allclose(fast.test_err, naive.test_err, atol=0.1)
+
+
+@pytest.mark.parametrize("kw", [dict(dataloader=True, host_sync=True, fused=False), dict(host_sync=True)])
+def test_every_ablation_switch_gives_the_same_losses(data, kw):
+    m = ah.udl_mlp(2, seed=1)
+    ref = train.FullBatchLoop(train.clone(m), data).run(50)
+    other = train.FullBatchLoop(train.clone(m), data, **kw).run(50)
+    np.testing.assert_allclose(other.loss, ref.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_step_matches_eager(data):
+    m = ah.udl_mlp(1, seed=2)
+    ref = train.FullBatchLoop(train.clone(m), data).run(20)
+    comp = train.FullBatchLoop(train.clone(m), data, compile=True).run(20)
+    np.testing.assert_allclose(comp.loss, ref.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_many_mlp_matches_vmap_over_the_individual_models(data):
+    models = [ah.udl_mlp(3, seed=i) for i in range(5)]
+    many = train.ManyMLP(models)
+    params, buffers = stack_module_state(models)
+    base = train.clone(models[0]).to("meta")
+    ref = vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers,
+                                                                                           data.x_test)
+    torch.testing.assert_close(many(data.x_test), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(many.model(3)(data.x_test), models[3](data.x_test))
+
+
+def test_many_models_train_exactly_as_each_alone(data):
+    models = [ah.udl_mlp(4, seed=i) for i in range(3)]
+    together = train.ManyModelsLoop([train.clone(m) for m in models], data).run(40)
+    assert together.train_err.shape == (3, 40)
+    for i, m in enumerate(models):
+        alone = train.FullBatchLoop(train.clone(m), data).run(40)
+        np.testing.assert_allclose(together.loss[i], alone.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_fastai_learner_runs_the_same_workload(data):
+    learn = train.fastai_learner(ah.udl_mlp(4, seed=0), data)
+    assert learn.dls.train.bs == 4000
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(3, 0.0025)
+    assert len(learn.recorder.losses) == 3
+
+
+def test_bad_input(data):
+    with pytest.raises(ValueError, match="epochs must be at least 1"):
+        train.naive_fullbatch(ah.udl_mlp(1), data, 0)
+    with pytest.raises(ValueError, match="learning rate must be positive"):
+        train.FullBatchLoop(ah.udl_mlp(1), data, lr=0)
+    with pytest.raises(ValueError, match="same depth"):
+        train.ManyMLP([ah.udl_mlp(1), ah.udl_mlp(2)])
+    bad = ah.Split(data.x_train[:, :, None], data.y_train, data.x_test, data.y_test)
+    with pytest.raises(ValueError, match="expected x_train"):
+        train.FullBatchLoop(ah.udl_mlp(1), bad)
