@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input: one clear line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: run.json and the report were left as they were", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

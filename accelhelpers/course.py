@@ -73,7 +73,20 @@ def check_args(profile: str, only: str | list[str] | None, out: Path) -> dict[st
         raise CourseError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)}")
     if out.exists() and not out.is_dir():
         raise CourseError(f"--out {out} is a file, not a folder: give a folder (it is created if missing)")
+    _check_out(out)
     return _select(only, chapters())
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output folder that would write over the course's sources (the checkout, its code, notebooks)."""
+    target = out.resolve()
+    root = repo_root(Path(__file__).parent)
+    protected = [root / name for name in ("accelhelpers", "notebooks", "tests", ".ci", ".git")] if root else []
+    if (root is not None and target == root.resolve()) \
+            or any(target == p.resolve() or p.resolve() in target.parents for p in protected) \
+            or (target / "notebooks").resolve() == notebooks_dir().resolve():
+        raise CourseError(f"--out {out} would write over the course's sources: use build/ (the default) or a "
+                          "folder outside accelhelpers/, notebooks/ and tests/")
 
 
 def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .device import as_device
+
 
 @dataclass
 class Split:
@@ -20,8 +22,22 @@ class Split:
     x_test: torch.Tensor
     y_test: torch.Tensor
 
+    def __post_init__(self) -> None:
+        """Refuse non-tensors, empty parts, and features and labels of different lengths."""
+        for name in ("x_train", "y_train", "x_test", "y_test"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.ndim == 0 or len(t) == 0:
+                raise ValueError(f"{name} is empty: a split needs at least one example in each part")
+        for x, y in (("x_train", "y_train"), ("x_test", "y_test")):
+            nx, ny = len(getattr(self, x)), len(getattr(self, y))
+            if nx != ny:
+                raise ValueError(f"{x} has {nx} rows but {y} has {ny}: features and labels must match")
+
     def to(self, device: torch.device | str) -> Split:
         """The same split with every tensor on `device`."""
+        device = as_device(device)
         return Split(*(t.to(device) for t in (self.x_train, self.y_train, self.x_test, self.y_test)))
 
     @property

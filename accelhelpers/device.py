@@ -57,13 +57,18 @@ def best_device(prefer: str | None = None) -> torch.device:
     """
     want = prefer or os.environ.get("ACCEL_DEVICE") or None
     have = available_devices()
+    index = ""
     if want is None:
         kind = have[0]
     else:
-        kind = want.split(":")[0].lower()
+        if not isinstance(want, str):
+            raise DeviceUnavailable(f"device must be a name such as 'cpu' or 'cuda:0', got {want!r}")
+        kind, colon, index = want.lower().partition(":")
         if kind not in DEVICE_KINDS:
             raise DeviceUnavailable(f"unknown device {want!r}: choose one of {', '.join(DEVICE_KINDS)} "
                                     f"(present here: {', '.join(have)})")
+        if colon and not index.isdigit():
+            raise DeviceUnavailable(f"bad device {want!r}: write 'kind' or 'kind:N' with N >= 0, e.g. 'cuda:1'")
         if kind not in have and not (kind == "xla" and xla_installed()):
             raise DeviceUnavailable(f"device {want!r} is not present on this machine; present here: "
                                     f"{', '.join(have)}. Unset ACCEL_DEVICE or pass one of those.")
@@ -71,12 +76,21 @@ def best_device(prefer: str | None = None) -> torch.device:
         import torch_xla  # noqa: F401  (imported only when asked for)
 
         return torch_xla.device()
-    return torch.device(want if want and ":" in want else kind)
+    return torch.device(kind, int(index)) if index else torch.device(kind)
+
+
+def as_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device, or DeviceUnavailable naming the valid kinds (torch's own error lists 20)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceUnavailable(f"device={device!r} is not a device: choose one of {', '.join(DEVICE_KINDS)} "
+                                "(optionally with ':N')") from e
 
 
 def sync(device: torch.device | str) -> None:
     """Wait until every queued kernel on `device` has finished (a no-op on the CPU, which runs eagerly)."""
-    kind = torch.device(device).type
+    kind = as_device(device).type
     if kind == "cuda":
         torch.cuda.synchronize(device)
     elif kind == "mps":

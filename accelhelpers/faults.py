@@ -75,7 +75,13 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 60.0) -> tuple[in
         raise RuntimeError(f"not started by torchrun: {', '.join(missing)} unset. Launch with "
                            "`torchrun --nproc-per-node=2 script.py` (or set them yourself).")
     if not _distributed():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        # torchrun shares one store across restarts: without a per-restart prefix, restarted workers can read
+        # their predecessors' addresses and fail to connect (pytorch/pytorch#135712)
+        store = dist.PrefixStore(f"accelhelpers/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

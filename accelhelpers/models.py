@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
@@ -19,8 +21,8 @@ def he_init(module: nn.Module) -> None:
 
 def mlp(sizes: list[int]) -> nn.Sequential:
     """A ReLU MLP with the given layer sizes (input, hidden..., output), He-initialised."""
-    if len(sizes) < 2 or any(int(s) <= 0 for s in sizes):
-        raise ValueError(f"mlp needs at least two positive layer sizes, got {sizes}")
+    if len(sizes) < 2 or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s <= 0 for s in sizes):
+        raise ValueError(f"mlp needs at least two positive layer sizes, got {sizes} (each an int)")
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=False)):
         layers.append(nn.Linear(a, b))
@@ -48,6 +50,13 @@ def udl_mlp(depth: int, n_in: int = 40, n_out: int = 10, seed: int | None = None
         return mlp(sizes)
 
 
+def _check_positive(**sizes: int) -> None:
+    """Refuse non-positive or non-integer layer sizes, naming the argument."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 def count_params(model: nn.Module) -> int:
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -55,6 +64,7 @@ def count_params(model: nn.Module) -> int:
 
 def cnn1d(n_classes: int = 10, channels: int = 32, length: int = 40) -> nn.Sequential:
     """A small 1-D CNN for MNIST-1D (input [batch, length] or [batch, 1, length])."""
+    _check_positive(n_classes=n_classes, channels=channels, length=length)
     model = nn.Sequential(
         nn.Unflatten(1, (1, length)),
         nn.Conv1d(1, channels, 5, padding=2), nn.ReLU(),
@@ -68,6 +78,7 @@ def cnn1d(n_classes: int = 10, channels: int = 32, length: int = 40) -> nn.Seque
 
 def cnn2d(n_classes: int = 10, channels: int = 16) -> nn.Sequential:
     """A small 2-D CNN for 8x8 `digits` images (input [batch, 1, 8, 8])."""
+    _check_positive(n_classes=n_classes, channels=channels)
     model = nn.Sequential(
         nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
         nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1), nn.ReLU(),

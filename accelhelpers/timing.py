@@ -19,6 +19,13 @@ class Timing:
     times: list[float] = field(repr=False)
     calls_per_repeat: int = 1
 
+    def __post_init__(self) -> None:
+        """Refuse a Timing without measurements."""
+        if not self.times:
+            raise ValueError("Timing needs at least one measurement in times")
+        if self.calls_per_repeat < 1:
+            raise ValueError(f"calls_per_repeat must be >= 1, got {self.calls_per_repeat}")
+
     @property
     def median(self) -> float:
         """Median seconds per call (robust to the odd slow repeat)."""
@@ -85,6 +92,8 @@ def benchmark(fn: Callable[[], object], device: torch.device | str = "cpu", *, w
 
 def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:
     """Seconds per call measured the wrong way, without a device sync: on a GPU this times the launch only."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -108,6 +117,8 @@ def mlp_flops(sizes: Sequence[int], batch: int, *, backward: bool = True) -> int
 def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                   min_time: float = 0.05, repeats: int = 5) -> float:
     """Measured GFLOP/s of an n x n by n x n matmul (best repeat)."""
+    if n <= 0:
+        raise ValueError(f"n must be a positive matrix size, got {n}")
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
@@ -118,6 +129,8 @@ def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype
 def copy_gbps(n_bytes: int, device: torch.device | str = "cpu", min_time: float = 0.05,
               repeats: int = 5) -> float:
     """Measured GB/s of copying an `n_bytes` fp32 buffer (a read and a write per byte counted)."""
+    if n_bytes <= 0:
+        raise ValueError(f"n_bytes must be positive, got {n_bytes}")
     n = max(1, n_bytes // 4)
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
@@ -139,4 +152,6 @@ def fraction_of_peak(achieved_gflops: float, peak_gflops: float) -> float:
     """Achieved over peak, a number between 0 and about 1."""
     if peak_gflops <= 0:
         raise ValueError("peak_gflops must be positive")
+    if achieved_gflops < 0:
+        raise ValueError(f"achieved_gflops must be >= 0, got {achieved_gflops}")
     return achieved_gflops / peak_gflops

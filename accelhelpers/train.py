@@ -90,6 +90,7 @@ class FullBatchLoop:
                        if dataloader else None)
         step = self._step
         if compile:
+            _quiet_compiler_logs()
             mode = "reduce-overhead" if data.device.type == "cuda" else None
             step = torch.compile(step, mode=mode)
         self.step = step
@@ -124,6 +125,14 @@ class FullBatchLoop:
         if not self.host_sync:
             host = metrics.cpu().numpy()  # the one read of the whole run
         return History(host[1], host[2], host[0])
+
+
+def _quiet_compiler_logs() -> None:
+    """Silence torch.compile's informational warnings on a CPU-only machine (no CUDA runtime, profiler hooks)."""
+    import logging
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    torch._logging.set_logs(dynamo=logging.ERROR)
 
 
 class ManyMLP(nn.Module):

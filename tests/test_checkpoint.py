@@ -1,0 +1,338 @@
+"""Checkpoints: atomic save, safe verified load, exact resume in a fresh process, crashes mid-save, corruption."""
+
+import os
+import pickle
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from accelhelpers import checkpoint as ck
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1"}
+
+
+def worker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m accelhelpers.workers ...` in a fresh process, bounded by `timeout`."""
+    return subprocess.run([sys.executable, "-m", "accelhelpers.workers", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny(seed: int = 0):
+    """A small model, optimizer, scheduler and scaler with a few steps of state in them."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 6)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    return model, opt, sched, scaler
+
+
+def same(a, b) -> bool:
+    """Bit-for-bit equality of two nested states."""
+    return ck.digest(a) == ck.digest(b)
+
+
+def test_checkpoint_path_sorts_by_name_and_rejects_bad_steps(tmp_path):
+    assert ck.checkpoint_path(tmp_path, 12).name == "step_00000012.pt"
+    assert ck.checkpoint_path(tmp_path, 9).name < ck.checkpoint_path(tmp_path, 10).name
+    for bad in (-1, 1.5, "3"):
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            ck.checkpoint_path(tmp_path, bad)
+
+
+def test_rng_state_round_trip_restores_python_numpy_and_torch():
+    state = ck.rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(3), torch.randint(0, 9, (4,)))
+    ck.set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(3), torch.randint(0, 9, (4,)))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2]) and torch.equal(first[3], again[3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rng_states_survive_a_checkpoint(tmp_path):
+    model = nn.Linear(2, 2).cuda()
+    ck.save_checkpoint(tmp_path / "g.pt", model)
+    first = torch.rand(4, device="cuda")
+    ck.load_checkpoint(tmp_path / "g.pt", model)
+    assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_digest_is_bit_exact_and_independent_of_container_copies():
+    sd = nn.Linear(3, 2).state_dict()
+    copy = {k: v.clone() for k, v in sd.items()}
+    assert ck.digest(sd) == ck.digest(copy) and len(ck.digest(sd)) == 64
+    copy["bias"][0] = torch.nextafter(copy["bias"][0], torch.tensor(1.0))  # one ulp
+    assert ck.digest(sd) != ck.digest(copy)
+    assert ck.digest([1, 2]) != ck.digest((1, 2)) and ck.digest({"a": 1}) != ck.digest({"a": 1.0})
+
+
+def test_unwrap_removes_data_parallel_and_compile_wrappers():
+    model = nn.Linear(3, 2)
+    assert ck.unwrap(nn.DataParallel(model)) is model
+    assert ck.unwrap(torch.compile(model)) is model
+    assert ck.unwrap(model) is model
+
+
+def test_save_and_load_restore_every_state_and_the_step(tmp_path):
+    model, opt, sched, scaler = tiny()
+    path = ck.save_checkpoint(tmp_path / "a.pt", model, opt, sched, scaler, step=3, extra={"epoch": 1})
+    expected = [model.state_dict(), opt.state_dict(), sched.state_dict(), scaler.state_dict()]
+    draws = torch.rand(5)
+    m2, o2, s2, sc2 = tiny(seed=1)
+    assert not same(m2.state_dict(), expected[0])
+    assert ck.load_checkpoint(path, m2, o2, s2, sc2) == 3
+    assert [same(a, b) for a, b in zip([m2.state_dict(), o2.state_dict(), s2.state_dict(), sc2.state_dict()],
+                                       expected, strict=True)] == [True] * 4
+    assert torch.equal(torch.rand(5), draws)  # the RNG continues where the save left it
+    assert ck.read_checkpoint(path)["extra"] == {"epoch": 1}
+
+
+def test_a_wrapped_model_saves_plain_keys(tmp_path):
+    model = nn.Linear(3, 2)
+    ck.save_checkpoint(tmp_path / "w.pt", nn.DataParallel(model))
+    assert set(ck.read_checkpoint(tmp_path / "w.pt")["model"]) == {"weight", "bias"}
+
+
+def test_bad_arguments_to_save_are_named(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        ck.save_checkpoint(tmp_path / "x.pt", model.state_dict())
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        ck.save_checkpoint(tmp_path / "x.pt", model, step=-2)
+    with pytest.raises(ValueError, match="keep must be None or an int >= 1"):
+        ck.save_checkpoint(tmp_path / "x.pt", model, keep=0)
+    with pytest.raises(TypeError, match=r"checkpoint\['extra'\]\['mean'\] is a ndarray.*torch.from_numpy"):
+        ck.save_checkpoint(tmp_path / "x.pt", model, extra={"mean": np.zeros(3)})
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_atomic_save_replaces_whole_files_and_cleans_its_temporaries(tmp_path):
+    target = tmp_path / "deep" / "f.pt"
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / ".f.pt.stale.tmp").write_bytes(b"left by a killed save")
+    ck.atomic_save({"a": torch.ones(2)}, target)
+    ck.atomic_save({"a": torch.zeros(2)}, target)
+    assert torch.equal(torch.load(target, weights_only=True)["a"], torch.zeros(2))
+    assert [p.name for p in target.parent.iterdir()] == ["f.pt"]
+
+
+def test_an_error_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model = nn.Linear(4, 4)
+    path = ck.save_checkpoint(tmp_path / "c.pt", model, step=1)
+
+    def disk_full(obj, f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "_serialize", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        ck.save_checkpoint(path, model, step=2)
+    assert ck.read_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_exact_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    """12 steps straight == 5 steps, save, new process, load, 7 more; without the RNG states it is not."""
+    r = worker("resume", str(tmp_path), "--steps", "12", "--save-at", "5", "--phase", "first")
+    assert r.returncode == 0, r.stderr
+    r = worker("resume", str(tmp_path), "--steps", "12", "--save-at", "5", "--phase", "second")
+    assert r.returncode == 0, r.stderr
+    straight, resumed, norng = (ck.read_checkpoint(tmp_path / n) for n in ("straight.pt", "resumed.pt",
+                                                                            "resumed_norng.pt"))
+    for key in ("model", "optimizer", "scheduler", "scaler"):
+        assert same(straight[key], resumed[key]), key
+    assert resumed["step"] == 12 and resumed["scaler"]["scale"] > 2.0**8  # the scaler state moved too
+    assert not same(straight["model"], norng["model"])  # the test can fail: RNG states matter
+
+
+@pytest.mark.parametrize("mode", ["write", "rename"])
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
+    proc = subprocess.Popen([sys.executable, "-m", "accelhelpers.workers", "hang_in_save", str(tmp_path),
+                             "--mode", mode], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    watchdog = threading.Timer(90, proc.kill)
+    watchdog.start()
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "SAVING", proc.stderr.read()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.communicate()
+    temporaries = list(tmp_path.glob(".ckpt.pt.*.tmp"))
+    assert len(temporaries) == 1 and temporaries[0].stat().st_size > 0  # the killed save got that far
+    assert ck.read_checkpoint(tmp_path / "ckpt.pt")["step"] == 1
+    assert ck.latest_good_checkpoint(tmp_path) == tmp_path / "ckpt.pt"
+    model = nn.Linear(64, 64)
+    assert ck.load_checkpoint(tmp_path / "ckpt.pt", model) == 1
+    ck.save_checkpoint(tmp_path / "ckpt.pt", model, step=3)  # the next save sweeps the leftover away
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def _corrupt(path: Path, how: str, inside: torch.Tensor | None = None) -> None:
+    """Damage a checkpoint file the ways disks and killed copies do ('flipped': one bit inside `inside`'s data)."""
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "empty":
+        data = bytearray()
+    elif how == "flipped":  # one bit in the weights: torch.load alone does not notice
+        at = data.find(inside.detach().numpy().tobytes()[:64])
+        assert at >= 0
+        data[at + 33] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "flipped"])
+def test_a_damaged_checkpoint_is_named_and_the_previous_good_one_is_used(tmp_path, how):
+    model = nn.Linear(64, 64)
+    ck.save_checkpoint(ck.checkpoint_path(tmp_path, 1), model, step=1)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1)
+    bad = ck.save_checkpoint(ck.checkpoint_path(tmp_path, 2), model, step=2)
+    _corrupt(bad, how, model.weight)
+    with pytest.raises(ck.CheckpointError, match=re.escape(str(bad))):
+        ck.read_checkpoint(bad)
+    with pytest.raises(ck.CheckpointError, match=re.escape(str(bad))):
+        ck.load_checkpoint(bad, model, fallback=False)
+    older = ck.checkpoint_path(tmp_path, 1)
+    with pytest.warns(ck.CheckpointWarning, match=rf"{re.escape(str(bad))}.*loading {re.escape(str(older))} instead"):
+        assert ck.load_checkpoint(bad, model) == 1
+    assert same(model.state_dict(), good)
+    assert ck.latest_good_checkpoint(tmp_path) == ck.checkpoint_path(tmp_path, 1)
+    ck.checkpoint_path(tmp_path, 1).unlink()
+    with pytest.raises(ck.CheckpointError, match="no other good checkpoint"):
+        ck.load_checkpoint(bad, model)
+
+
+def test_a_missing_file_falls_back_or_says_so(tmp_path):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load_checkpoint(tmp_path / "nope.pt", model)
+    ck.save_checkpoint(tmp_path / "old.pt", model, step=4)
+    with pytest.warns(ck.CheckpointWarning):
+        assert ck.load_checkpoint(tmp_path / "nope.pt", model) == 4
+    with pytest.raises(ck.CheckpointError, match="is a folder"):
+        ck.load_checkpoint(tmp_path, model)
+
+
+class _Evil:
+    """Unpickling this would run code (create a file) if the loader trusted pickles."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_loading_never_unpickles_code_and_refuses_foreign_files(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": ck.FORMAT, "model": {}, "payload": _Evil(marker)}, evil)
+    with pytest.raises(ck.CheckpointError, match=r"evil.pt is unreadable.*WeightsUnpickler"):
+        ck.read_checkpoint(evil)
+    assert not marker.exists()
+    plain = tmp_path / "plain.pt"
+    torch.save(nn.Linear(2, 2).state_dict(), plain)
+    with pytest.raises(ck.CheckpointError, match="plain.pt is not an accelhelpers checkpoint"):
+        ck.read_checkpoint(plain)
+    (tmp_path / "text.pt").write_text("hello")
+    with pytest.raises(ck.CheckpointError, match="text.pt is unreadable"):
+        ck.read_checkpoint(tmp_path / "text.pt")
+    with pytest.raises(pickle.UnpicklingError):  # the reason: torch.load refuses it too
+        torch.load(evil, weights_only=True)
+
+
+def test_load_refuses_states_the_file_does_not_hold_and_wrong_models(tmp_path):
+    model, opt, _, _ = tiny()
+    ck.save_checkpoint(tmp_path / "m.pt", model)
+    with pytest.raises(ck.CheckpointError, match="holds no optimizer state"):
+        ck.load_checkpoint(tmp_path / "m.pt", model, opt)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        ck.load_checkpoint(tmp_path / "m.pt", nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 3)))
+
+
+def test_keep_prunes_old_step_files_only(tmp_path):
+    model = nn.Linear(2, 2)
+    (tmp_path / "notes.pt").write_bytes(b"not ours")
+    for step in range(1, 6):
+        ck.save_checkpoint(ck.checkpoint_path(tmp_path, step), model, step=step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.pt", "step_00000004.pt", "step_00000005.pt"]
+
+
+def test_latest_good_checkpoint_picks_the_newest_that_verifies(tmp_path):
+    assert ck.latest_good_checkpoint(tmp_path / "missing") is None
+    assert ck.latest_good_checkpoint(tmp_path) is None
+    model = nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        ck.save_checkpoint(ck.checkpoint_path(tmp_path, step), model, step=step)
+    _corrupt(ck.checkpoint_path(tmp_path, 3), "truncated")
+    assert ck.latest_good_checkpoint(tmp_path) == ck.checkpoint_path(tmp_path, 2)
+    assert ck.latest_good_checkpoint(tmp_path, exclude=[ck.checkpoint_path(tmp_path, 2)]) == \
+        ck.checkpoint_path(tmp_path, 1)
+
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # hypothesis is a test-only dependency
+    given = None
+
+if given is None:
+    @pytest.mark.skip(reason="hypothesis is not installed")
+    def test_property_checks_need_hypothesis():
+        pass
+else:
+    _plain = st.recursive(st.none() | st.booleans() | st.integers(-2**62, 2**62) | st.floats(allow_nan=False)
+                          | st.text(max_size=8),
+                          lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids,
+                                                                                    max_size=3),
+                          max_leaves=8)
+
+    @settings(max_examples=40, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(extra=_plain)
+    def test_property_any_plain_extra_round_trips(tmp_path, extra):
+        ck.save_checkpoint(tmp_path / "p.pt", nn.Linear(2, 2), step=1, extra=extra)
+        assert ck.read_checkpoint(tmp_path / "p.pt")["extra"] == extra
+
+    @settings(max_examples=150, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+    def test_property_a_flipped_bit_anywhere_is_caught_or_harmless(tmp_path, where, bit):
+        """Never silently different: any one-bit flip either raises CheckpointError or loads the same content."""
+        path = tmp_path / "c.pt"
+        if not path.exists():
+            ck.save_checkpoint(path, nn.Linear(8, 8), step=7, extra={"note": "x"})
+        original = path.read_bytes()
+        data = bytearray(original)
+        data[int(where * len(data))] ^= 1 << bit
+        path.write_bytes(bytes(data))
+        try:
+            state = ck.read_checkpoint(path)
+        except ck.CheckpointError:
+            state = None
+        finally:
+            path.write_bytes(original)
+        if state is not None:
+            assert ck.digest(state) == ck.digest({k: v for k, v in ck.read_checkpoint(path).items()})
