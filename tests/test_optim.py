@@ -1,0 +1,290 @@
+"""accelhelpers.optim: callback optimizers against torch.optim and fastai, EWMA, one-cycle against fastai's
+recorded schedule, the LR finder against fastai's lr_find, and the experiment loops."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import accelhelpers as ah
+from accelhelpers import optim as O
+from accelhelpers.models import mlp
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return ah.digits()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return mlp([64, 32, 32, 10])
+
+
+def _max_diff_after_training(split, make_ours, make_ref, steps=STEPS):
+    """Largest parameter difference after `steps` identical batches; fails if nothing moved."""
+    batches = [(split.x_train[lo:lo + 64], split.y_train[lo:lo + 64])
+               for lo in ((i * 64) % (len(split.x_train) - 64) for i in range(steps))]
+    moved = O.max_param_gap(_model, make_ours, lambda p: torch.optim.SGD(p, lr=1e-12), batches)
+    assert moved > 1e-3, "the optimizer did not move the parameters: the comparison would be empty"
+    return O.max_param_gap(_model, make_ours, make_ref, batches)
+
+
+def test_max_param_gap_needs_identical_models(digits):
+    batches = [(digits.x_train[:64], digits.y_train[:64])]
+    assert O.max_param_gap(_model, lambda p: O.sgd(p, 0.1), lambda p: O.sgd(p, 0.1), batches) == 0.0
+    own = O.max_param_gap(_model, lambda p: O.adam(p, 1e-2), lambda p: torch.optim.Adam(p, 1e-2), batches * 3,
+                          same_grads=False)
+    assert own < 1e-5                                                     # few steps: no room for chaos yet
+    seeds = iter(range(10))
+    with pytest.raises(ValueError, match="differently initialised"):
+        O.max_param_gap(lambda: _model(next(seeds)), lambda p: O.sgd(p, 0.1), lambda p: O.sgd(p, 0.1), batches)
+
+
+@pytest.mark.parametrize("name,ours,ref", [
+    ("sgd", lambda p: O.sgd(p, 0.1), lambda p: torch.optim.SGD(p, 0.1)),
+    ("momentum+l2", lambda p: O.sgd(p, 0.05, mom=0.9, wd=1e-3),
+     lambda p: torch.optim.SGD(p, 0.05, momentum=0.9, weight_decay=1e-3)),
+    ("rmsprop", lambda p: O.rmsprop(p, 1e-3, wd=1e-3), lambda p: torch.optim.RMSprop(p, 1e-3, weight_decay=1e-3)),
+    ("adam+l2", lambda p: O.adam(p, 3e-3, wd=1e-2, decouple_wd=False),
+     lambda p: torch.optim.Adam(p, 3e-3, weight_decay=1e-2)),
+    ("adamw", lambda p: O.adam(p, 3e-3, wd=0.1), lambda p: torch.optim.AdamW(p, 3e-3, weight_decay=0.1)),
+])
+def test_matches_torch_optim(digits, name, ours, ref):
+    assert _max_diff_after_training(digits, ours, ref) < 1e-5, name
+
+
+@pytest.mark.parametrize("name", ["sgd_mom_wd", "rmsprop_mom", "adam_defaults"])
+def test_matches_fastai_optimizer(digits, name):
+    from fastai import optimizer as F
+
+    ours, ref = {
+        "sgd_mom_wd": (lambda p: O.sgd(p, 0.05, mom=0.9, wd=1e-2, decouple_wd=True),
+                       lambda p: F.SGD(p, 0.05, mom=0.9, wd=1e-2)),
+        "rmsprop_mom": (lambda p: O.rmsprop(p, 1e-3, mom=0.9), lambda p: F.RMSProp(p, 1e-3, mom=0.9)),
+        "adam_defaults": (lambda p: O.adam(p, 3e-3, sqr_mom=0.99, eps=1e-5, wd=0.01),
+                          lambda p: F.Adam(p, 3e-3)),  # fastai's defaults: sqr_mom .99, eps 1e-5, wd .01 decoupled
+    }[name]
+    assert _max_diff_after_training(digits, ours, ref) < 1e-5, name
+
+
+def test_adam_without_bias_correction_differs(digits):
+    """The test can fail: dropping the step count (no bias correction) changes the trajectory."""
+    no_debias = lambda p: O.CallbackOptimizer(p, [O.average_grad, O.average_sqr_grad, O.rmsprop_step],
+                                              lr=3e-3, mom=0.9, sqr_mom=0.999, eps=1e-8)
+    assert _max_diff_after_training(digits, no_debias, lambda p: torch.optim.Adam(p, 3e-3), steps=5) > 1e-3
+
+
+def test_step_callbacks_directly():
+    p, g = torch.ones(3), torch.full((3,), 2.0)
+    assert torch.equal(O.l2_penalty(p=p, grad=g, wd=0.5)["grad"], torch.full((3,), 2.5))
+    assert O.l2_penalty(p=p, grad=g, wd=0.0) == {}
+    q = torch.ones(3)
+    O.decoupled_wd(p=q, lr=0.1, wd=0.5)
+    assert torch.allclose(q, torch.full((3,), 0.95))
+    avg = O.average_grad(grad=g, mom=0.9)["grad_avg"]
+    assert torch.equal(avg, g)                                             # undampened: first average = grad
+    assert torch.allclose(O.average_grad(grad=g, mom=0.9, dampen=True)["grad_avg"], 0.1 * g)
+    assert torch.allclose(O.average_sqr_grad(grad=g, sqr_mom=0.99)["sqr_avg"], 0.01 * g * g)
+    assert O.count_steps() == {"step": 1} and O.count_steps(step=4) == {"step": 5}
+    r = torch.zeros(3)
+    O.sgd_step(p=r, grad=g, lr=0.5)
+    assert torch.equal(r, -torch.ones(3))
+    O.momentum_step(p=r, lr=1.0, grad_avg=torch.ones(3))
+    assert torch.equal(r, -2 * torch.ones(3))
+    s = torch.zeros(3)
+    O.rmsprop_step(p=s, grad=g, lr=1.0, sqr_avg=g * g, eps=0.0)
+    assert torch.allclose(s, -torch.ones(3))
+    t = torch.zeros(3)  # after one Adam step the update is lr * sign(grad) (up to eps)
+    O.adam_step(p=t, lr=0.1, mom=0.9, sqr_mom=0.999, eps=0.0, step=1, grad_avg=0.1 * g, sqr_avg=0.001 * g * g)
+    assert torch.allclose(t, torch.full((3,), -0.1))
+
+
+def test_bad_hyperparameters_are_explained():
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="learning rate must be a positive"):
+        O.sgd(params, lr=0)
+    with pytest.raises(ValueError, match=r"mom must be in \[0, 1\)"):
+        O.sgd(params, lr=0.1, mom=1.0)
+    with pytest.raises(ValueError, match="eps > 0"):
+        O.adam(params, eps=0)
+    with pytest.raises(ValueError, match="at least one step callback"):
+        O.CallbackOptimizer(params, [], lr=0.1)
+
+
+def test_set_hypers_drives_the_step():
+    p = nn.Parameter(torch.zeros(1))
+    opt = O.sgd([p], lr=0.1)
+    O.set_hypers(opt, lr=1.0)
+    p.grad = torch.ones(1)
+    opt.step()
+    assert p.item() == -1.0 and opt.param_groups[0]["lr"] == 1.0
+
+
+def test_skips_parameters_without_grad_and_state_dict_roundtrip():
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    opt = O.adam([a, b], lr=0.1)
+    a.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(b, torch.ones(2)) and opt.state[a]["step"] == 1 and b not in opt.state
+    opt2 = O.adam([a, b], lr=0.1)
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[a]["grad_avg"], opt.state[a]["grad_avg"])
+
+
+def test_ewma_matches_pandas_and_closed_form():
+    pd = pytest.importorskip("pandas")
+    x = np.random.default_rng(0).normal(size=50)
+    for beta in (0.5, 0.9, 0.99):
+        debiased = pd.Series(x).ewm(alpha=1 - beta, adjust=True).mean().to_numpy()
+        assert np.allclose(O.ewma(x, beta), debiased)
+        t = np.arange(1, 51)
+        biased = [(1 - beta) * sum(beta ** (k - i) * x[i - 1] for i in range(1, k + 1)) for k in t]
+        assert np.allclose(O.ewma(x, beta, debias=False), biased)
+    assert np.allclose(O.ewma(np.ones(5), 0.9), 1.0)                       # debiased: no pull towards 0
+    assert O.ewma(np.ones(5), 0.9, debias=False)[0] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="beta must be in"):
+        O.ewma(x, 1.0)
+
+
+def test_cos_anneal_endpoints():
+    assert O.cos_anneal(1.0, 3.0, 0.0) == pytest.approx(1.0)
+    assert O.cos_anneal(1.0, 3.0, 1.0) == pytest.approx(3.0)
+    assert O.cos_anneal(1.0, 3.0, 0.5) == pytest.approx(2.0)
+
+
+def _tiny_learner(split, bs=64, opt_func=None, n=512, seed=0):
+    from fastai.learner import Learner
+    from fastai.optimizer import SGD
+
+    small = ah.Split(split.x_train[:n], split.y_train[:n], split.x_test[:128], split.y_test[:128])
+    ah.seed_everything(seed)
+    dls = O.fastai_dls(small, bs=bs, shuffle=False)
+    return Learner(dls, _model(seed), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func or SGD), small
+
+
+@pytest.mark.parametrize("kw", [{}, {"pct_start": 0.3, "div": 10.0, "div_final": 1e4, "moms": (0.9, 0.8, 0.9)}])
+def test_one_cycle_reproduces_fastai_recorded_schedule(digits, kw):
+    from fastai.optimizer import Adam
+
+    learn, _ = _tiny_learner(digits, opt_func=Adam)
+    with learn.no_bar(), learn.no_logging():
+        learn.fit_one_cycle(3, 1e-2, **kw)
+    rec_lr, rec_mom = np.array(learn.recorder.hps["lr"]), np.array(learn.recorder.hps["mom"])
+    lrs, moms = O.one_cycle(len(rec_lr), 1e-2, **kw)
+    assert len(rec_lr) == 3 * 8
+    np.testing.assert_allclose(lrs, rec_lr, rtol=1e-5)
+    np.testing.assert_allclose(moms, rec_mom, rtol=1e-5)
+
+
+def test_one_cycle_shape_and_errors():
+    lrs, moms = O.one_cycle(100, 1.0)
+    assert lrs[0] == pytest.approx(1 / 25) and lrs.max() == pytest.approx(1.0) and int(lrs.argmax()) == 25
+    assert lrs[-1] < 1e-3 and moms.min() == pytest.approx(0.85)
+    with pytest.raises(ValueError, match="pct_start"):
+        O.one_cycle(100, 1.0, pct_start=1.0)
+
+
+def test_lr_find_matches_fastai_lr_find(digits):
+    learn, small = _tiny_learner(digits, n=640)
+    assert learn.path != Path(".") and not str(learn.path).startswith(str(Path.cwd()))
+    with learn.no_bar(), learn.no_logging():
+        fa = learn.lr_find(start_lr=1e-4, end_lr=10, num_it=40, show_plot=False)
+    fa_lrs, fa_losses = np.array(learn.recorder.lrs), np.array([float(v) for v in learn.recorder.losses])
+    model = _model(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    batches = [(small.x_train[i:i + 64], small.y_train[i:i + 64]) for i in range(0, 640, 64)]
+    res = O.lr_find(model, nn.CrossEntropyLoss(), batches, O.sgd(model.parameters(), lr=1e-3),
+                    start_lr=1e-4, end_lr=10, num_it=40)
+    n = min(len(fa_lrs), len(res.lrs))
+    assert n >= 30
+    np.testing.assert_allclose(res.lrs[:n], fa_lrs[:n], rtol=1e-6)
+    np.testing.assert_allclose(res.losses[:n], fa_losses[:n], rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))   # weights restored
+    assert abs(math.log10(res.suggestion / fa.valley)) < 0.5                     # same valley, within a factor 3
+    with pytest.raises(ValueError, match="start_lr < end_lr"):
+        O.lr_find(model, nn.CrossEntropyLoss(), batches, O.sgd(model.parameters(), lr=1e-3), start_lr=1.0, end_lr=0.1)
+
+
+def test_lr_suggestions_match_fastai_minimum_and_steep():
+    from fastai.callback.schedule import minimum, steep, valley
+
+    lrs = np.logspace(-6, 1, 80)
+    losses = 2.3 - 1.5 / (1 + np.exp(-3 * (np.log10(lrs) + 3))) + np.exp(np.log10(lrs) - 0.2)
+    ours = O.lr_suggestions(lrs, losses, skip_start=0, skip_end=0)
+    t_lrs, t_losses = torch.tensor(lrs), torch.tensor(losses)
+    assert ours["minimum"] == pytest.approx(minimum(t_lrs, t_losses, 80)[0])
+    assert ours["steep"] == pytest.approx(steep(t_lrs, t_losses, 80)[0])
+    assert lrs[0] < ours["valley"] < ours["minimum"] * 10
+    assert abs(math.log10(ours["valley"] / valley(t_lrs, t_losses, 80)[0])) < 0.5
+    diverged = np.concatenate([losses[:30], [np.inf] * 10])
+    assert O.lr_suggestions(lrs[:40], diverged, skip_start=0, skip_end=0)["minimum"] <= lrs[29] / 10
+    with pytest.raises(ValueError, match="finite points"):
+        O.lr_suggestions(lrs[:12], losses[:12])
+
+
+def test_train_learns_is_reproducible_and_runs_one_cycle(digits):
+    def run(**kw):
+        model = _model(1)
+        opt = O.adam(model.parameters(), lr=3e-3)
+        return O.train(model, digits, opt, epochs=3, bs=128, seed=5, **kw), opt
+
+    (h1, _), (h2, _) = run(), run()
+    assert len(h1.acc) == 3 and h1.acc == h2.acc and h1.acc[-1] > 0.75
+    assert all(b >= a for a, b in zip(h1.seconds, h1.seconds[1:]))
+    h3, opt = run(one_cycle_lr=1e-2)
+    lrs, moms = O.one_cycle(3 * math.ceil(len(digits.x_train) / 128), 1e-2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(lrs[-1]) and opt.param_groups[0]["mom"] == pytest.approx(moms[-1])
+    with pytest.raises(ValueError, match="epochs >= 1"):
+        O.train(_model(), digits, opt, epochs=0)
+
+
+def test_accuracy_matches_manual(digits):
+    model = _model(2)
+    with torch.no_grad():
+        manual = (model(digits.x_test).argmax(1) == digits.y_test).float().mean().item()
+    assert O.accuracy(model, digits.x_test, digits.y_test) == pytest.approx(manual)
+    assert model.training
+
+
+def test_history_to_target_and_summarize():
+    h1 = O.History([0.5, 0.8, 0.9], [1.0, 2.0, 3.0])
+    h2 = O.History([0.85, 0.9, 0.95], [1.5, 3.0, 4.5])
+    h3 = O.History([0.1, 0.2, 0.3], [1.0, 2.0, 3.0])
+    assert h1.to_target(0.8) == (2, 2.0) and h3.to_target(0.8) == (None, None)
+    s = O.summarize([h1, h2, h3], 0.8)
+    assert s["reached"] == 2 and s["runs"] == 3
+    assert s["epochs"]["mean"] == pytest.approx(1.5) and s["epochs"]["std"] == pytest.approx(0.5)
+    assert s["seconds"]["min"] == pytest.approx(1.5) and s["final_acc"] == pytest.approx((0.9 + 0.95 + 0.3) / 3)
+    assert math.isnan(O.summarize([h3], 0.8)["epochs"]["mean"])
+
+
+def test_fastai_dls_and_history(digits):
+    from fastai.learner import Learner
+    from fastai.metrics import accuracy
+    from fastai.optimizer import Adam
+
+    dls = O.fastai_dls(digits, bs=100, seed=0)
+    xb, yb = dls.one_batch()
+    assert xb.shape == (100, 64) and yb.shape == (100,) and len(dls.train) == math.ceil(len(digits.x_train) / 100)
+    learn = Learner(dls, _model(3), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, metrics=accuracy)
+    hist = O.fastai_history(learn, 3, 1e-2, one_cycle=True)
+    assert len(hist.acc) == 3 and len(hist.seconds) == 3 and hist.acc[-1] > 0.75
+    assert hist.acc[-1] == pytest.approx(O.accuracy(learn.model, digits.x_test, digits.y_test), abs=1e-6)
+    with pytest.raises(ValueError, match="batch size"):
+        O.fastai_dls(digits, bs=0)
+    with pytest.raises(ValueError, match="metrics=accuracy"):
+        O.fastai_history(Learner(dls, _model(3), loss_func=nn.CrossEntropyLoss()), 1, 1e-3)
