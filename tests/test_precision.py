@@ -1,0 +1,330 @@
+"""Tests for accelhelpers.precision: format facts against torch.finfo, the policy, autocast/memory tools, fastai."""
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import accelhelpers as ah
+from accelhelpers import precision as P
+
+CPU_REPORT = {"cpu_bf16_native": True}
+
+
+# ---------------------------------------------------------------- number formats
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e5m2"])
+def test_ieee_facts_match_finfo(name):
+    dtype, e, m, _ = P.FORMATS[name]
+    fi, facts = torch.finfo(dtype), P.ieee_facts(e, m)
+    assert facts["max"] == fi.max and facts["eps"] == fi.eps
+    assert facts["smallest_normal"] == fi.smallest_normal
+
+
+def test_ieee_facts_differ_for_e4m3fn_and_reject_bad_bits():
+    # e4m3fn ("finite") reclaims the inf exponent: its max is 448, not the IEEE-style 240
+    assert P.ieee_facts(4, 3)["max"] == 240.0
+    assert P.format_facts("fp8_e4m3fn")["max"] == 448.0
+    with pytest.raises(ValueError, match="exp_bits >= 2"):
+        P.ieee_facts(1, 3)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_smallest_subnormal_is_really_the_smallest(name):
+    dtype = P.FORMATS[name][0]
+    tiny = P.format_facts(name)["smallest_subnormal"]
+    assert torch.tensor(tiny, dtype=torch.float64).to(dtype).item() == tiny
+    assert torch.tensor(tiny / 2, dtype=torch.float64).to(dtype).item() == 0.0  # ties-to-even rounds to 0
+
+
+def test_format_facts_tf32_by_formula_and_unknown_name():
+    tf32 = P.format_facts("tf32")
+    assert tf32["source"] == "formula" and tf32["eps"] == 2.0**-10 and tf32["smallest_normal"] == 2.0**-126
+    with pytest.raises(ValueError, match="unknown format 'fp12'"):
+        P.format_facts("fp12")
+
+
+def test_format_table_has_every_format_in_order():
+    rows = P.format_table()
+    assert [r["format"] for r in rows] == list(P.FORMATS)
+    assert [r["bits"] for r in rows] == [32, 32, 16, 16, 8, 8]
+
+
+def test_spacing_matches_nextafter_for_fp32():
+    x = torch.tensor([1e-40, 1e-30, 1e-3, 1.0, 3.0, 1e10, 1e30], dtype=torch.float32)
+    gap = (torch.nextafter(x, torch.tensor(float("inf"))) - x).double()
+    assert torch.equal(P.spacing(x, "fp32"), gap)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
+def test_spacing_matches_enumerated_values(name):
+    vals = P.representable(P.FORMATS[name][0])
+    gaps = vals[1:] - vals[:-1]
+    assert torch.equal(P.spacing(vals[:-1], name), gaps)
+
+
+def test_spacing_unknown_format():
+    with pytest.raises(ValueError, match="unknown format"):
+        P.spacing(torch.ones(2), "int4")
+
+
+@pytest.mark.parametrize("dtype,count", [(torch.float16, 31744), (torch.bfloat16, 32640),
+                                         (torch.float8_e4m3fn, 127), (torch.float8_e5m2, 124)])
+def test_representable_counts(dtype, count):
+    vals = P.representable(dtype)
+    assert vals.numel() == count and vals[0] == 0 and vals[-1] == torch.finfo(dtype).max
+
+
+def test_representable_rejects_wide_dtypes():
+    with pytest.raises(ValueError, match="8- and 16-bit"):
+        P.representable(torch.float32)
+
+
+def test_cast_report_counts_zero_subnormal_overflow():
+    v = torch.tensor([1e-9, 1e-6, 1.0, 1e5, 0.0])  # the 0 is ignored
+    r = P.cast_report(v, torch.float16)
+    assert (r["zero"], r["subnormal"], r["overflow"], r["count"]) == (0.25, 0.25, 0.25, 4)
+    r = P.cast_report(v, torch.float16, scale=2.0**10)  # scaling rescues the tiny ones, overflows more
+    assert (r["zero"], r["subnormal"], r["overflow"]) == (0.0, 0.25, 0.25)
+    assert P.cast_report(v, torch.bfloat16)["zero"] == 0.0  # bf16 has fp32's range
+
+
+def test_cast_report_bad_input():
+    with pytest.raises(ValueError, match="no non-zero values"):
+        P.cast_report(torch.zeros(3))
+    with pytest.raises(ValueError, match="scale > 0"):
+        P.cast_report(torch.ones(3), scale=0)
+
+
+# ---------------------------------------------------------------- policy
+
+@pytest.mark.parametrize("kind,report,name", [
+    ("cuda", {"compute_capability": "9.0"}, "bf16"), ("cuda", {"compute_capability": "8.0"}, "bf16"),
+    ("cuda", {"compute_capability": "7.5"}, "fp16"), ("xla", {}, "bf16"), ("mps", {}, "fp16"),
+    ("cpu", {"cpu_bf16_native": True}, "bf16"), ("cpu", {"cpu_bf16_native": False}, "bf16")])
+def test_auto_choice(kind, report, name):
+    assert P.auto_choice(kind, report)[0] == name
+    assert P.policy_for(kind, report=report).scaler is (name == "fp16")
+
+
+def test_auto_choice_says_when_cpu_bf16_is_emulated():
+    assert "slower" in P.auto_choice("cpu", {"cpu_bf16_native": False})[1]
+    with pytest.raises(ValueError, match="no precision policy"):
+        P.auto_choice("tpu", {})
+
+
+def test_policy_for_cpu_runs_bf16_autocast():
+    pol = P.policy_for("cpu")
+    assert (pol.name, pol.scaler, pol.device_type) == ("bf16", False, "cpu")
+    lin = nn.Linear(4, 3)
+    with pol.autocast():
+        assert lin(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert not pol.grad_scaler().is_enabled()
+    assert "cpu: bf16" in str(pol)
+
+
+def test_policy_fp32_disables_autocast_and_fp16_scales():
+    lin = nn.Linear(4, 3)
+    with P.policy_for("cpu", "fp32").autocast():
+        assert lin(torch.randn(2, 4)).dtype == torch.float32
+    pol = P.policy_for("cpu", "fp16")
+    scaler = pol.grad_scaler(init_scale=2.0**10)
+    assert pol.scaler and scaler.is_enabled()
+    assert scaler.scale(torch.tensor(1.5)).item() == 1.5 * 2**10
+
+
+def test_policy_for_bad_input():
+    with pytest.raises(ValueError, match="prefer='fp8' is not a precision"):
+        P.policy_for("cpu", "fp8")
+    with pytest.raises(ValueError, match="XLA autocast runs in bf16"):
+        P.policy_for("xla", "fp16")
+    with pytest.raises(ValueError, match="no precision policy for device type 'meta'"):
+        P.policy_for("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA bf16")
+def test_policy_for_cuda_bf16_without_support():
+    with pytest.raises(ValueError, match="does not support bf16"):
+        P.policy_for("cuda", "bf16")
+
+
+XLA_SNIPPET = """
+import torch, torch_xla
+from accelhelpers import precision as P
+dev = torch_xla.device()
+pol = P.policy_for(dev, report={})
+lin = torch.nn.Linear(8, 4).to(dev)
+with pol.autocast():
+    y = lin(torch.randn(2, 8, device=dev))
+y.float().sum().backward()
+torch_xla.sync()
+print(pol.name, pol.scaler, y.dtype, lin.weight.grad.dtype)
+"""
+
+
+@pytest.mark.skipif(not ah.device.xla_installed(), reason="torch_xla not installed")
+def test_xla_policy_really_runs_bf16_on_pjrt_cpu():
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    out = subprocess.run([sys.executable, "-c", XLA_SNIPPET], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-4:] == ["bf16", "False", "torch.bfloat16", "torch.float32"]
+
+
+# ---------------------------------------------------------------- what autocast does
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_op_dtypes_under_cpu_autocast():
+    model, x, y = _tiny(), torch.randn(5, 8), torch.tensor([0, 1, 2, 3, 0])
+
+    def loss(policy):
+        def run():
+            with policy.autocast():
+                return nn.functional.cross_entropy(model(x), y)
+        return run
+
+    mixed = P.op_dtypes(loss(P.policy_for("cpu", "bf16")))
+    assert [o for op, _, o in mixed if op == "addmm"] == ["bfloat16", "bfloat16"]
+    assert [o for op, _, o in mixed if op == "_log_softmax"] == ["float32"]  # autocast keeps it in fp32
+    plain = P.op_dtypes(loss(P.policy_for("cpu", "fp32")))
+    assert {o for _, _, o in plain} == {"float32"} and "_to_copy" not in [op for op, _, _ in plain]
+
+
+def test_saved_tensor_bytes_exact():
+    lin, x = nn.Linear(32, 64), torch.randn(10, 32)
+    fwd = lambda: torch.relu(lin(x))
+    # fp32: addmm saves its input (for the weight gradient), relu saves its output
+    assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same tensors, in bf16: half the bytes
+        assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 2
+    x.requires_grad_(True)  # now the weight is saved too, for the input gradient
+    assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 4  # ... the parameter: excluded
+    assert P.saved_tensor_bytes(fwd) == (10 * 32 + 10 * 64 + 32 * 64) * 4  # ... unless not excluded
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast saves its bf16 copy of the weight
+        assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64 + 32 * 64) * 2
+    assert P.saved_tensor_bytes(lambda: None) == 0
+
+
+def test_peak_memory_is_cuda_only():
+    assert P.peak_memory(lambda: torch.ones(1000), "cpu") is None
+    if torch.cuda.is_available():
+        assert P.peak_memory(lambda: torch.ones(2**20, device="cuda"), "cuda") >= 4 * 2**20
+
+
+# ---------------------------------------------------------------- gradients and loss scaling
+
+def test_gradients_match_autograd():
+    model, x, y = _tiny(), torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    g = P.gradients(model, x, y)
+    ref = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+    assert torch.allclose(g["parameters"], torch.cat([r.flatten() for r in ref]))
+    assert g["activations"].numel() == 6 * (16 + 4)
+    assert all(torch.equal(g[k], P.gradients(model, x, y, scale=2.0**10)[k]) for k in g)  # power-of-2 scale: exact
+    g16 = P.gradients(model, x, y, torch.float16, scale=2.0**8)  # fp16 autocast: close, not equal
+    assert not torch.equal(g16["parameters"], g["parameters"])
+    assert torch.allclose(g16["parameters"], g["parameters"], rtol=0.05, atol=1e-3)
+    with pytest.raises(ValueError, match="no Linear/Conv"):
+        P.gradients(nn.Sequential(nn.ReLU()), x, y)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        P.gradients(model, x, y, scale=0)
+
+
+def test_scaler_trace_skips_on_overflow_and_grows():
+    model, x, y = _tiny(), torch.randn(32, 8), torch.randint(0, 4, (32,))
+    tr = P.scaler_trace(model, x, y, 12, init_scale=2.0**22, growth_interval=3)
+    assert tr[0]["skipped"] and tr[1]["scale"] == tr[0]["scale"] / 2  # 2**22 overflows fp16 gradients
+    assert tr[1]["loss"] == tr[0]["loss"]  # a skipped step leaves the weights untouched
+    assert any(b["scale"] > a["scale"] for a, b in zip(tr, tr[1:]))  # after clean steps the scale grows again
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        P.scaler_trace(model, x, y, 0)
+
+
+# ---------------------------------------------------------------- measurements
+
+def test_interleaved_ranks_fast_and_slow():
+    t = P.interleaved({"fast": lambda: None, "slow": lambda: time.sleep(0.002)}, rounds=2, min_time=0.01)
+    assert set(t) == {"fast", "slow"} and len(t["slow"].times) == 2
+    assert t["slow"].median > 0.0015 > t["fast"].median
+    with pytest.raises(ValueError, match="at least one function"):
+        P.interleaved({})
+
+
+def test_train_eval_fp32_and_bf16_learn_digits():
+    split, kw = ah.digits(), {"seed": 0, "epochs": 5, "batch_size": 512, "lr": 2e-2}
+    r32 = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "fp32"), **kw)
+    again = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "fp32"), **kw)
+    r16 = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "bf16"), **kw)
+    assert r32 == again and r32["accuracy"] > 0.8 and r16["accuracy"] > 0.8
+    assert r16["loss"] != r32["loss"] and abs(r16["loss"] - r32["loss"]) < 0.1  # bf16 really ran, and close
+
+
+def test_matmul_precision_restores_setting():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        before = torch.get_float32_matmul_precision()
+        rows = P.matmul_precision(128, min_time=0.001)
+        assert torch.get_float32_matmul_precision() == before
+    assert [r["setting"] for r in rows] == ["highest", "high", "medium"]
+    assert rows[0]["rel_error"] < 1e-5 and all(r["gflops"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="unknown matmul precision"):
+        P.matmul_precision(8, settings=("low",))
+
+
+def test_ratio():
+    assert P.ratio(3.0, 1.5) == 2.0
+    with pytest.raises(ValueError, match="positive finite denominator"):
+        P.ratio(1.0, 0.0)
+
+
+# ---------------------------------------------------------------- fastai
+
+def _learner():
+    import fastai.callback.fp16  # noqa: F401  (adds Learner.to_fp16 / to_bf16)
+    from fastai.basics import DataLoaders, Learner
+
+    split = ah.digits()
+    dls = DataLoaders.from_dsets(list(zip(split.x_train, split.y_train, strict=True)),
+                                 list(zip(split.x_test, split.y_test, strict=True)), bs=512, device="cpu")
+    torch.manual_seed(0)
+    learn = Learner(dls, nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)),
+                    loss_func=nn.CrossEntropyLoss())
+    seen = set()
+    learn.model[0].register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    return learn, seen
+
+
+def _fit(learn):
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1, 1e-3)
+
+
+def test_fastai_upstream_behaviour_on_cpu_is_what_the_chapter_says():
+    if torch.cuda.is_available():
+        pytest.skip("checks fastai's CPU behaviour")
+    learn, seen = _learner()
+    learn.to_fp16()
+    _fit(learn)
+    assert seen == {torch.float32}  # to_fp16() on CPU: no error, but nothing runs in half precision
+    learn, _ = _learner()
+    learn.to_bf16()
+    with pytest.raises(RuntimeError, match="does not support bfloat16"):
+        _fit(learn)
+
+
+@pytest.mark.parametrize("prefer,dtype,scaled", [(None, torch.bfloat16, False), ("fp16", torch.float16, True)])
+def test_to_mixed_runs_on_cpu(prefer, dtype, scaled):
+    learn, seen = _learner()
+    P.to_mixed(learn.to_fp16(), prefer)  # replaces fastai's own callback
+    _fit(learn)
+    assert seen == {dtype} and learn.precision_policy.scaler is scaled
+    assert sum(type(cb).__name__.endswith("MixedPrecision") for cb in learn.cbs) == 1
+    P.to_mixed(learn, "fp32")
+    assert not any(type(cb).__name__.endswith("MixedPrecision") for cb in learn.cbs)
