@@ -13,6 +13,9 @@ from typing import Any
 from .device import PROFILES, format_report, hardware_report
 from .results import _atomic_write_text, load_results, repo_root
 
+# The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
+REPO_URL = "https://github.com/accel-course/accel-course"
+
 TITLES = {
     "01": "Your hardware, and timing it honestly",
     "02": "Full-batch training and the fast loop",
