@@ -37,12 +37,25 @@ def random_affine(n: int, max_deg: float = 15.0, max_shift: float = 0.1, max_zoo
                         torch.stack([sin, cos, u[:, 3] * max_shift], 1)], 1)
 
 
+def affine_grid(theta: torch.Tensor, size: int) -> torch.Tensor:
+    """`F.affine_grid(theta, [n, c, size, size], align_corners=False)` written with elementwise ops only:
+    the library call runs a batched matmul that, for one small image, costs more in thread start-up than in work."""
+    if theta.dim() != 3 or theta.shape[1:] != (2, 3) or size < 1:
+        raise ValueError(f"affine_grid needs theta [n, 2, 3] and size >= 1; got {tuple(theta.shape)}, {size}")
+    c = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1   # pixel centres
+    bx, by = c[None, None, :], c[None, :, None]
+    t = theta[:, :, :, None, None]
+    gx = t[:, 0, 0] * bx + t[:, 0, 1] * by + t[:, 0, 2]
+    gy = t[:, 1, 0] * bx + t[:, 1, 1] * by + t[:, 1, 2]
+    return torch.stack([gx, gy], dim=-1)
+
+
 def warp(x: torch.Tensor, theta: torch.Tensor, size: int) -> torch.Tensor:
     """Resize images [n, c, h, w] to size x size and apply the affine `theta` in one bilinear resampling."""
     if x.dim() != 4 or theta.shape != (x.shape[0], 2, 3):
         raise ValueError(f"warp needs images [n, c, h, w] and theta [n, 2, 3]; got {tuple(x.shape)} and "
                          f"{tuple(theta.shape)}")
-    grid = F.affine_grid(theta.to(x.dtype), [x.shape[0], x.shape[1], size, size], align_corners=False)
+    grid = affine_grid(theta.to(x.dtype), size)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
@@ -110,6 +123,11 @@ class LoaderTiming:
         later = self.epoch_s[1:] or self.epoch_s
         return self.items / float(np.median(later))
 
+    @property
+    def best_items_per_s(self) -> float:
+        """Items per second of the fastest later epoch: the one least disturbed by other processes."""
+        return self.items / min(self.epoch_s[1:] or self.epoch_s)
+
 
 def loader_throughput(loader: Iterable, device: torch.device | str = "cpu", epochs: int = 2,
                       non_blocking: bool = False,
@@ -131,6 +149,23 @@ def loader_throughput(loader: Iterable, device: torch.device | str = "cpu", epoc
     if items == 0:
         raise ValueError("the loader yielded no batches: check the dataset length and drop_last")
     return LoaderTiming(times, items)
+
+
+def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "cpu", epochs: int = 3,
+                    batch_tfms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+                    non_blocking: bool = True) -> dict[str, LoaderTiming]:
+    """Time several loaders one epoch each in turn, `epochs` rounds: on a shared machine a burst of load then
+    hits every loader alike instead of whichever happened to run during it."""
+    if epochs < 1 or not loaders:
+        raise ValueError("compare_loaders needs at least one loader and epochs >= 1")
+    tfms = batch_tfms or {}
+    out = {name: LoaderTiming([], 0) for name in loaders}
+    for _ in range(epochs):
+        for name, loader in loaders.items():
+            t = loader_throughput(loader, device, 1, non_blocking, tfms.get(name))
+            out[name].epoch_s.append(t.epoch_s[0])
+            out[name].items = t.items
+    return out
 
 
 # ---------------------------------------------------------------- profiling and starvation
@@ -242,6 +277,34 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return step
 
 
+def interleaved_best(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5,
+                     min_time: float = 0.02) -> dict[str, float]:
+    """Best seconds per call of each function, timed round-robin: on a shared machine a burst of load then
+    hits every candidate alike instead of whichever happened to run during it."""
+    if rounds < 1 or not fns:
+        raise ValueError("interleaved_best needs at least one function and rounds >= 1")
+    calls = {}
+    for name, fn in fns.items():                     # warm up and calibrate calls per round
+        n, elapsed = 1, 0.0
+        while elapsed < min_time and n < 1_000_000:
+            n = n * 2 if elapsed else 1
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync(device)
+            elapsed = time.perf_counter() - t0
+        calls[name] = n
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            sync(device)
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
+    return best
+
+
 # ---------------------------------------------------------------- batch size: memory and the finder
 
 def param_bytes(model: nn.Module) -> int:
@@ -276,7 +339,8 @@ def step_memory(model: nn.Module, x: torch.Tensor, optimizer_states: int = 2) ->
     momentum: 1) and saved activations. On CUDA, measured instead as the peak allocated."""
     if optimizer_states < 0:
         raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
-    if x.device.type == "cuda":
+    if x.device.type == "cuda":                 # measured: peak over the step, gradients included
+        model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(x.device)
         torch.cuda.reset_peak_memory_stats(x.device)
         base = torch.cuda.memory_allocated(x.device)
@@ -367,7 +431,16 @@ def max_abs_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """Largest absolute difference between two lists of tensors (e.g. gradients)."""
     if len(a) != len(b):
         raise ValueError(f"cannot compare {len(a)} tensors with {len(b)}")
-    return max(float((u - v).abs().max()) for u, v in zip(a, b, strict=True))
+    return max(float((u.detach() - v.detach()).abs().max()) for u, v in zip(a, b, strict=True))
+
+
+def rel_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """Norm of the difference over the norm of `b`, all tensors flattened together: a scale-free closeness."""
+    if len(a) != len(b) or not len(b):
+        raise ValueError(f"cannot compare {len(a)} tensors with {len(b)}")
+    fa = torch.cat([t.detach().flatten().double() for t in a])
+    fb = torch.cat([t.detach().flatten().double() for t in b])
+    return float((fa - fb).norm() / fb.norm().clamp_min(1e-300))
 
 
 def _import_accelerate() -> Any:
@@ -440,6 +513,7 @@ def fastai_accumulation(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: 
     ds = list(zip(x, y, strict=True))
     dls = DataLoaders(DataLoader(ds, bs=bs, shuffle=False), DataLoader(ds[:bs], bs=bs), device=x.device)
     rec = Recorder()
+    model.zero_grad(set_to_none=True)               # fastai does not clear gradients left from before fit
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.0,
                     cbs=[GradientAccumulation(n_acc), rec])
     with learn.no_bar(), learn.no_logging():
