@@ -1,0 +1,207 @@
+"""Tests of accelhelpers.xla: version check, PJRT device choice, counters on XLA's CPU device, bucketing,
+debug-log parsing and the launch subprocess. XLA runtime tests need torch_xla (Linux x86_64) and use
+PJRT_DEVICE=CPU; they are skipped where torch_xla is not installed."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from accelhelpers import xla
+
+needs_xla = pytest.mark.skipif(not xla.xla_installed(), reason="torch_xla is not installed")
+
+
+@pytest.fixture(scope="module")
+def xdev():
+    """The XLA CPU device of this test process (the runtime starts once and stays up)."""
+    pytest.importorskip("torch_xla")
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_xla
+
+    return torch_xla.device()
+
+
+# --- versions and device choice (no runtime needed) ---
+
+def test_base_version_strips_local_tag():
+    assert xla.base_version("2.9.0+cu128") == "2.9.0"
+    assert xla.base_version("2.9.0") == "2.9.0"
+
+
+def test_version_fix_none_when_matching():
+    assert xla.version_fix("2.9.0+cu128", "2.9.0") is None
+    assert xla.version_fix("2.9.0+cpu", "2.9.0+cpu") is None
+
+
+def test_version_fix_gives_matching_pip_command():
+    fix = xla.version_fix("2.9.0+cu128", "2.8.0")
+    assert fix.startswith("pip install torch==2.8.0 'torch_xla[tpu]==2.8.0'")
+    missing = xla.version_fix("2.9.0+cu128", None)
+    assert "torch==2.9.0" in missing and "not installed" in missing
+
+
+def test_installed_versions_reads_metadata():
+    torch_v, xla_v = xla.installed_versions()
+    assert torch_v == torch.__version__
+    if xla.xla_installed():
+        assert xla.version_fix(torch_v, xla_v) is None  # the pinned environment is consistent
+
+
+def test_choose_pjrt_device(monkeypatch):
+    for key in ("PJRT_DEVICE", "COLAB_TPU_ADDR", "TPU_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(xla, "tpu_present", lambda: False)
+    assert xla.choose_pjrt_device() == "CPU"
+    monkeypatch.setattr(xla, "tpu_present", lambda: True)
+    assert xla.choose_pjrt_device() == "TPU"
+    monkeypatch.setenv("PJRT_DEVICE", "CUDA")
+    assert xla.choose_pjrt_device() == "CUDA"  # an explicit choice wins
+
+
+def test_use_xla_stops_on_version_mismatch(monkeypatch):
+    monkeypatch.setattr(xla, "installed_versions", lambda: ("2.9.0+cu128", "2.8.0"))
+    with pytest.raises(RuntimeError, match=r"(?s)do not match.*pip install torch==2\.8\.0"):
+        xla.use_xla()
+
+
+# --- buckets ---
+
+def test_bucket_length_and_errors():
+    assert xla.bucket_length(29, [40, 32]) == 32
+    assert xla.bucket_length(32, [32, 40]) == 32
+    assert xla.bucket_length(33, [32, 40]) == 40
+    with pytest.raises(ValueError, match="add a bucket >= 41"):
+        xla.bucket_length(41, [32, 40])
+    with pytest.raises(ValueError):
+        xla.bucket_length(0, [32])
+
+
+def test_pad_to_bucket_matches_torch_pad():
+    x = torch.randn(3, 29)
+    p = xla.pad_to_bucket(x, [32, 40], value=-1.0)
+    assert p.shape == (3, 32)
+    assert torch.equal(p, torch.nn.functional.pad(x, (0, 3), value=-1.0))
+    assert xla.pad_to_bucket(torch.randn(2, 40), [32, 40]).shape == (2, 40)
+
+
+# --- debug log parsing ---
+
+def test_compile_causes(tmp_path):
+    log = tmp_path / "debug.txt"
+    block = ("Compilation Analysis: ====\nCompilation Analysis: Compilation Cause\n"
+             "Compilation Analysis:   {cause}\nCompilation Analysis: Graph Info: \n")
+    log.write_text(block.format(cause="user torch_xla.sync"))
+    causes, end = xla.compile_causes(log)
+    assert causes == ["user torch_xla.sync"]
+    with open(log, "a") as f:
+        f.write(block.format(cause="most likely user code trying to access tensor value before torch_xla.sync"))
+    new, _ = xla.compile_causes(log, start=end)
+    assert new == ["most likely user code trying to access tensor value before torch_xla.sync"]
+    with pytest.raises(FileNotFoundError, match="debug_file"):
+        xla.compile_causes(tmp_path / "missing.txt")
+
+
+# --- counters on the real XLA CPU device ---
+
+def test_counts_subtract():
+    a = xla.XlaCounts(compiles=3, executions=10, compile_s=2.0)
+    b = xla.XlaCounts(compiles=1, executions=4, compile_s=0.5)
+    d = a - b
+    assert (d.compiles, d.executions, d.compile_s) == (2, 6, 1.5)
+    assert d.counts() == {"compiles": 2, "cached_compiles": 0, "executions": 6, "to_host": 0, "syncs": 0}
+
+
+@needs_xla
+def test_lazy_execution_counts(xdev):
+    import torch_xla
+
+    a = torch.full((7, 5), 2.0, device=xdev)
+    with xla.counting() as rec:
+        b = (a * 3).sum(1)  # recorded, not run
+    assert rec.delta.executions == 0 and rec.delta.compiles == 0
+    assert "aten::sum" in xla.pending_ir(b)
+    with xla.counting() as rec:
+        torch_xla.sync()
+    assert rec.delta.executions == 1 and rec.delta.compiles in (0, 1)
+    with xla.counting() as rec:
+        values = b.cpu()
+    assert rec.delta.to_host == 1 and rec.delta.executions == 0
+    assert torch.equal(values, torch.full((7,), 30.0))  # numerically what eager CPU gives
+
+
+@needs_xla
+def test_same_graph_compiles_once(xdev):
+    import torch_xla
+
+    x = torch.ones(11, 13, device=xdev)
+    torch_xla.sync()  # materialise x first, so every iteration below sees the same graph inputs
+    with xla.counting() as rec:
+        for _ in range(4):
+            x = x * 0.5 + 1  # same graph every iteration
+            torch_xla.sync()
+    assert rec.delta.executions == 4
+    assert rec.delta.compiles <= 1 and rec.delta.compiles + rec.delta.cached_compiles == 4
+    with xla.counting() as rec:
+        for n in (17, 19):  # two new shapes: two new graphs
+            y = torch.ones(n, 3, device=xdev) * 2
+            torch_xla.sync()
+    assert rec.delta.compiles == 2
+    assert y.shape == (19, 3)
+
+
+@needs_xla
+def test_pending_ir_rejects_cpu_tensors(xdev):
+    with pytest.raises(ValueError, match="XLA tensors"):
+        xla.pending_ir(torch.ones(2))
+
+
+@needs_xla
+def test_use_xla_after_runtime_started_keeps_device(xdev, capsys, monkeypatch, tmp_path):
+    torch.ones(1, device=xdev).cpu()  # make sure the runtime is up
+    assert xla.runtime_started()
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    for key in ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE"):
+        monkeypatch.setenv(key, "")  # so that monkeypatch restores them after use_xla changes them
+    dev = xla.use_xla(debug_file=tmp_path / "log.txt")
+    out = capsys.readouterr().out
+    assert dev == xdev and "PJRT_DEVICE=CPU" in out and "already running" in out
+    assert os.environ["PT_XLA_DEBUG_FILE"] == str(tmp_path / "log.txt") and (tmp_path / "log.txt").exists()
+
+
+def test_summarize():
+    with pytest.raises(ValueError):
+        xla.summarize(xla.Counted(), steps=3)
+    r = xla.Counted(delta=xla.XlaCounts(compiles=1, executions=8, to_host=4), seconds=1.0)
+    s = xla.summarize(r, steps=4)
+    assert s["executions_per_step"] == 2 and s["to_host_per_step"] == 1 and s["compiles"] == 1
+
+
+# --- subprocess collection and the launch demo ---
+
+def test_collect_stops_on_marker():
+    code = "import time\nprint('a', flush=True)\nprint('STOP here', flush=True)\ntime.sleep(30)\nprint('never')"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rc, out = xla._collect(proc, timeout=20, stop_on="STOP")
+    assert rc is None and "STOP here" in out and "never" not in out
+
+
+def test_collect_returns_exit_code():
+    proc = subprocess.Popen([sys.executable, "-c", "print('done'); raise SystemExit(3)"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert xla._collect(proc, timeout=20, stop_on="") == (3, "done\n")
+
+
+def test_launch_demo_rejects_bad_devices():
+    with pytest.raises(ValueError, match="devices >= 1"):
+        xla.launch_demo(0)
+
+
+@needs_xla
+def test_launch_demo_one_device_runs():
+    rc, out = xla.launch_demo(1, all_reduce=True, timeout=60)
+    assert rc == 0, out
+    assert "replica 0: ordinal 0 of 1" in out
+    assert "all-reduced sum = [1.0, 1.0, 1.0]" in out  # one replica: the sum is its own tensor
