@@ -18,9 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="which", required=True)
     fb = bsub.add_parser("fullbatch", help="chapter 02: naive loop vs fastai vs the fast paths, side by side")
-    fb.add_argument("--steps", type=int, default=None, help="timed steps per variant (default: by profile)")
+    fb.add_argument("--steps", type=int, default=None, help="timed steps per variant and round (default: by time)")
     fb.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
-    fb.add_argument("--models", type=int, default=None, help="models trained at once in the many-models row")
+    fb.add_argument("--models", type=int, default=None, help="models in the many-models row (default 8)")
 
     course = sub.add_parser("course", help="run the course and report")
     csub = course.add_subparsers(dest="action", required=True)

@@ -66,6 +66,29 @@ def naive_fullbatch(model: nn.Module, data: Split, epochs: int, lr: float = 0.00
     return History(errors_train, errors_test, losses)
 
 
+def pad_mlp(model: nn.Sequential, multiple: int = 16) -> nn.Sequential:
+    """A copy of a ReLU MLP whose hidden widths are rounded up to a multiple of `multiple` (the vector width:
+    16 fp32 lanes in AVX-512) with zero weights and biases. The extra units output relu(0) = 0 and receive zero
+    gradients, so they stay zero and the padded model computes and learns exactly what the original does."""
+    if multiple < 1:
+        raise ValueError(f"multiple must be at least 1, got {multiple}")
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    if not linears or len(linears) != sum(isinstance(m, (nn.Linear, nn.ReLU)) for m in model) - len(linears) + 1:
+        raise ValueError("pad_mlp needs a Sequential of Linear layers with a ReLU between each pair")
+    sizes = [linears[0].in_features] + [-(-lin.out_features // multiple) * multiple for lin in linears[:-1]]
+    sizes.append(linears[-1].out_features)
+    layers: list[nn.Module] = []
+    for i, lin in enumerate(linears):
+        new = nn.Linear(sizes[i], sizes[i + 1]).to(lin.weight.device)
+        with torch.no_grad():
+            new.weight.zero_()
+            new.bias.zero_()
+            new.weight[: lin.out_features, : lin.in_features] = lin.weight
+            new.bias[: lin.out_features] = lin.bias
+        layers += [new] + ([nn.ReLU()] if i < len(linears) - 1 else [])
+    return nn.Sequential(*layers)
+
+
 def error_percent(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """% of rows whose argmax is not the label, as a 0-d tensor on the logits' device (no host sync)."""
     return (logits.argmax(-1) != y).float().mean(-1) * 100

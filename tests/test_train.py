@@ -78,3 +78,45 @@ def test_bad_input(data):
     bad = ah.Split(data.x_train[:, :, None], data.y_train, data.x_test, data.y_test)
     with pytest.raises(ValueError, match="expected x_train"):
         train.FullBatchLoop(ah.udl_mlp(1), bad)
+
+
+def test_padding_to_the_vector_width_changes_nothing_but_speed(data):
+    m = ah.udl_mlp(4, seed=5)
+    p = train.pad_mlp(m)
+    assert [lin.out_features for lin in p if isinstance(lin, torch.nn.Linear)] == [64, 64, 64, 64, 10]
+    torch.testing.assert_close(p(data.x_test), m(data.x_test))
+    a = train.FullBatchLoop(train.clone(m), data).run(100)
+    loop = train.FullBatchLoop(p, data)
+    b = loop.run(100)
+    np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    first = p[0]
+    assert torch.all(first.weight[63:] == 0) and torch.all(first.bias[63:] == 0)  # padded units stayed zero
+    with pytest.raises(ValueError, match="multiple"):
+        train.pad_mlp(m, 0)
+    with pytest.raises(ValueError, match="Sequential of Linear"):
+        train.pad_mlp(torch.nn.Sequential(torch.nn.ReLU()))
+
+
+def test_bench_runs_every_variant_and_writes_the_schema(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--steps", "2", "--models", "2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["schema"] == "accel-course/bench-fullbatch/1"
+    names = [v["name"] for v in res["variants"]]
+    assert names == ["naive", "fastai", "tensors", "no_sync", "fast", "padded", "compiled", "many"]
+    for v in res["variants"]:
+        assert v["model_steps_per_s"] == pytest.approx(v["steps_per_s"] * v["n_models"])
+        flops = res["workload"]["train_flops_per_model_step"]
+        assert v["gflops"] == pytest.approx(v["model_steps_per_s"] * flops / 1e9)
+        assert v["fraction_of_peak"] == pytest.approx(v["gflops"] / res["peak_gflops"])
+    assert res["variants"][0]["speedup_vs_naive"] == 1.0
+    assert "naive" in r.stdout and "vs naive" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--steps", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--steps must be at least 1" in bad.stderr
