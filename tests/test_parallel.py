@@ -1,0 +1,246 @@
+"""Data parallel: hand all-reduce == DDP == one process with the global batch, torchrun and two-node launches (each
+bounded by a timeout), fastai's distributed path on CPU (the patch), accelerate's launchers, FSDP2 memory."""
+
+import json
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelhelpers import parallel as P
+
+TIMEOUT = 150  # seconds for any launch here; they run concurrently on a possibly busy 2-core machine
+
+
+# --- launches with several processes, all started at once (they mostly wait on imports) ---------------------------
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Start every multi-process job of this file in parallel threads; each result is a Run or the exception."""
+    d = tmp_path_factory.mktemp("parallel")
+    specs = {
+        "eq": lambda: P.torchrun("equivalence", d / "eq", "--steps", "6", "--batch", "8", timeout_s=TIMEOUT,
+                                 echo=False),
+        "two": lambda: P.two_nodes("equivalence", d / "two", "--steps", "6", "--batch", "8", timeout_s=TIMEOUT),
+        "fastai": lambda: P.torchrun("fastai_train", d / "fastai", "--epochs", "1", "--batch", "128", "--lr", "0.01",
+                                     timeout_s=TIMEOUT, echo=False),
+        "accelerate": lambda: P.launch([sys.executable, "-m", "accelhelpers.parallel", "accelerate_launchers",
+                                        str(d / "acc")], timeout_s=TIMEOUT, echo=False),
+    }
+    results: dict = {}
+
+    def run(name, fn):
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001  (reported by the test that needs it)
+            results[name] = e
+
+    threads = [threading.Thread(target=run, args=item) for item in specs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT + 30)
+    return d, results
+
+
+def _ok(results, name):
+    """The job's result, failing the test with its error if it raised."""
+    r = results[name]
+    if isinstance(r, Exception):
+        pytest.fail(f"{name} failed: {r}")
+    return r
+
+
+def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(jobs):
+    d, results = jobs
+    run = _ok(results, "eq")
+    assert "[rank0]" in run.output and "[rank1]" in run.output  # both ranks' logs streamed back
+    manual, ddp = P.load_weights(d / "eq" / "manual.pt"), P.load_weights(d / "eq" / "ddp.pt")
+    ref = P.reference(6, 8, world=2)
+    assert P.max_weight_diff(manual, ddp) < 1e-6
+    assert P.max_weight_diff(ddp, ref) < 1e-5
+    # the check can fail: one process with the per-rank batch alone is a different training run
+    assert P.max_weight_diff(ddp, P.reference(6, 8, world=1)) > 1e-3
+
+
+def test_two_torchrun_nodes_rendezvous_on_localhost_and_train_together(jobs):
+    d, results = jobs
+    runs = _ok(results, "two")
+    assert [r.returncode for r in runs] == [0, 0]
+    assert "[rank0]" in runs[0].output + runs[1].output and "[rank1]" in runs[0].output + runs[1].output
+    assert P.max_weight_diff(P.load_weights(d / "two" / "ddp.pt"), P.reference(6, 8, world=2)) < 1e-5
+
+
+def test_fastai_distrib_ctx_trains_on_two_cpu_processes_with_the_patch(jobs):
+    d, results = jobs
+    _ok(results, "fastai")
+    res = json.loads((d / "fastai" / "fastai.json").read_text())
+    assert res["world"] == 2 and res["ranks_equal"] and res["accuracy"] > 0.2
+
+
+def test_accelerate_notebook_and_debug_launchers_use_two_cpu_processes(jobs):
+    d, results = jobs
+    _ok(results, "accelerate")
+    for tag in ("notebook_launcher", "debug_launcher"):
+        res = json.loads((d / "acc" / f"{tag}.json").read_text())
+        assert res == {"processes": 2, "type": "DistributedType.MULTI_CPU"}
+
+
+# --- one-process group in this process: the workers and helpers at world size 1 ----------------------------------
+
+@pytest.fixture
+def group1(monkeypatch):
+    """Environment for init_distributed to form a 1-process gloo group here; torch threads restored after."""
+    threads = torch.get_num_threads()
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(P.free_port()), "USE_TORCH_XLA": "0"}.items():
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads)
+
+
+def test_allreduce_gradients_averages_and_needs_a_group(group1):
+    model = nn.Linear(3, 1)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="no process group"):
+        P.allreduce_gradients(model)
+    from accelhelpers.faults import init_distributed
+    init_distributed("gloo", 30)
+    before = model.weight.grad.clone()
+    P.allreduce_gradients(model)
+    assert torch.equal(model.weight.grad, before)  # world size 1: the average is the gradient itself
+
+
+def test_equivalence_worker_at_world_1_matches_reference(group1, tmp_path):
+    P.main(["equivalence", str(tmp_path), "--steps", "4", "--batch", "6"])
+    ref = P.reference(4, 6, world=1)
+    assert P.max_weight_diff(P.load_weights(tmp_path / "ddp.pt"), ref) < 1e-6
+    assert P.max_weight_diff(P.load_weights(tmp_path / "manual.pt"), ref) < 1e-6
+
+
+def test_ddp_train_worker_checkpoints_reloads_and_times(group1, tmp_path):
+    P.main(["ddp_train", str(tmp_path), "--epochs", "1", "--batch", "100", "--width", "32", "--steps", "3",
+            "--bench-batches", "100,400"])
+    res = json.loads((tmp_path / "ddp_world1.json").read_text())
+    assert res[0]["checkpoint_reloads_equal"] and res[0]["accuracy"] > 0.15
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".pt"] == ["step_00000001.pt"]
+    s = P.scaling_summary(res)
+    assert s["world"] == 1 and s["samples_per_s"] == pytest.approx(100 / res[0]["bench"]["100"]["step_s"])
+    assert 0 <= s["comm_share"] < 1
+    assert P.scaling_summary(res, 400)["samples_per_s"] == pytest.approx(400 / res[0]["bench"]["400"]["step_s"])
+    with pytest.raises(ValueError, match="no timing for per-rank batch 7"):
+        P.scaling_summary(res, 7)
+    with pytest.raises(ValueError, match="no results"):
+        P.scaling_summary([])
+
+
+def test_fsdp_worker_shards_nothing_at_world_1_and_matches_ddp(group1, tmp_path):
+    P.main(["fsdp_memory", str(tmp_path), "--width", "16"])
+    res = json.loads((tmp_path / "fsdp.json").read_text())
+    full = P.param_bytes(P.mlp([16, 16, 16, 1]))
+    assert res["ddp"]["param_bytes"] == res["fsdp"]["param_bytes"] == full == 4 * (2 * 16 * 16 + 16 + 16 + 16 + 1)
+    assert res["fsdp"]["loss_after_step"] == pytest.approx(res["ddp"]["loss_after_step"], rel=1e-5)
+
+
+def test_fastai_broadcast_fails_on_cpu_unpatched_and_works_patched(group1):
+    import fastai.distributed as fd
+    original = fd.DistributedDL._broadcast
+    try:
+        if not torch.cuda.is_available():
+            with pytest.raises((RuntimeError, AssertionError), match="NVIDIA|CUDA|Torch not compiled"):
+                original(None, [3, 1, 2], 0)
+        from accelhelpers.faults import init_distributed
+        init_distributed("gloo", 30)
+        assert P.patch_fastai_for_cpu() is True and P.patch_fastai_for_cpu() is False
+        assert fd.DistributedDL._broadcast(None, [3, 1, 2], 0) == [3, 1, 2]
+    finally:
+        fd.DistributedDL._broadcast = original
+
+
+# --- helpers without processes ------------------------------------------------------------------------------------
+
+def test_torchrun_cmd_builds_single_and_multi_node_commands_and_refuses_bad_input():
+    cmd = P.torchrun_cmd("equivalence", "out", "--steps", 3, nproc=2)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    assert cmd[-4:] == ["equivalence", "out", "--steps", "3"]
+    multi = P.torchrun_cmd("equivalence", "o", nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29400")
+    assert "--node-rank=1" in multi and "--rdzv-backend=c10d" in multi and "--standalone" not in multi
+    with pytest.raises(ValueError, match="unknown worker 'nope'"):
+        P.torchrun_cmd("nope")
+    with pytest.raises(ValueError, match="node_rank"):
+        P.torchrun_cmd("equivalence", nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        P.torchrun_cmd("equivalence", nnodes=2)
+
+
+def test_launch_streams_output_reports_failure_and_kills_on_timeout(capsys):
+    run = P.launch([sys.executable, "-c", "print('hello'); import os; print(os.environ['USE_TORCH_XLA'])"], 30)
+    assert run.returncode == 0 and run.output.split() == ["hello", "0"]
+    assert "hello" in capsys.readouterr().out  # echoed as it arrived
+    with pytest.raises(RuntimeError, match="exit status 3"):
+        P.launch([sys.executable, "-c", "import sys; print('bad'); sys.exit(3)"], 30, echo=False)
+    assert P.launch([sys.executable, "-c", "raise SystemExit(3)"], 30, echo=False, check=False).returncode == 3
+    with pytest.raises(TimeoutError, match="ran past 1"):
+        P.launch([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"], 1, echo=False)
+    with pytest.raises(TimeoutError, match="ran past 1"):  # silent and with its output closed: still killed
+        P.launch([sys.executable, "-c", "import os, time; os.close(1); os.close(2); time.sleep(60)"], 1, echo=False)
+    with pytest.raises(ValueError, match="timeout_s"):
+        P.launch(["true"], 0)
+
+
+def test_free_port_is_bindable():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", P.free_port()))
+
+
+def test_shard_toy_data_and_weight_diff():
+    x, y = P.toy_data(3, 8, d_in=4)
+    assert x.shape == (3, 8, 4) and y.shape == (3, 8, 1) and torch.equal(P.toy_data(3, 8, d_in=4)[0], x)
+    assert torch.equal(torch.cat([P.shard(x, r, 2) for r in range(2)], dim=1), x)
+    with pytest.raises(ValueError, match="divisible"):
+        P.shard(x, 0, 3)
+    with pytest.raises(ValueError, match=">= 1"):
+        P.toy_data(0, 8)
+    a, b = P.toy_model(), P.toy_model()
+    assert P.max_weight_diff(a, b) == 0.0
+    with torch.no_grad():
+        b[0].bias[0] += 0.5
+    assert P.max_weight_diff(a, b) == 0.5
+    assert P.max_weight_diff({"module.w": torch.zeros(2)}, {"w": torch.ones(2)}) == 1.0  # DDP's prefix ignored
+    with pytest.raises(ValueError, match="differ in parameters"):
+        P.max_weight_diff(a, nn.Linear(8, 1))
+
+
+def test_sgd_train_sync_hook_and_accuracy():
+    x, y = P.toy_data(2, 4)
+    calls = []
+    P.sgd_train(P.toy_model(), x, y, sync=lambda m: calls.append(m))
+    assert len(calls) == 2
+    model = nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(2))
+        model.bias.zero_()
+    assert P.accuracy(model, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0])) == 0.5
+
+
+def test_train_mnist1d_learns_and_refuses_bad_input():
+    assert P.train_mnist1d(batch=100, lr=0.05, epochs=2, warmup_epochs=0.5, width=32) > 0.2
+    with pytest.raises(ValueError, match="lr > 0"):
+        P.train_mnist1d(batch=32, lr=0.0, epochs=1)
+
+
+def test_mnist1d_loader_splits_the_data_between_ranks(group1):
+    from accelhelpers.faults import init_distributed
+    init_distributed("gloo", 30)
+    loader, data = P.mnist1d_loader(batch=50)
+    loader.sampler.set_epoch(0)
+    first = list(loader.sampler)
+    loader.sampler.set_epoch(1)
+    assert len(first) == len(data.x_train) and list(loader.sampler) != first
+
