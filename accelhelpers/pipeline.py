@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .device import sync
+from .timing import interleaved
 
 HABITS = ("none", "item", "print", "cpu")
 
@@ -279,30 +280,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 def interleaved_best(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5,
                      min_time: float = 0.02) -> dict[str, float]:
-    """Best seconds per call of each function, timed round-robin: on a shared machine a burst of load then
-    hits every candidate alike instead of whichever happened to run during it."""
-    if rounds < 1 or not fns:
-        raise ValueError("interleaved_best needs at least one function and rounds >= 1")
-    calls = {}
-    for name, fn in fns.items():                     # warm up and calibrate calls per round
-        n, elapsed = 1, 0.0
-        while elapsed < min_time and n < 1_000_000:
-            n = n * 2 if elapsed else 1
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync(device)
-            elapsed = time.perf_counter() - t0
-        calls[name] = n
-    best = dict.fromkeys(fns, math.inf)
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls[name]):
-                fn()
-            sync(device)
-            best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
-    return best
+    """Best seconds per call of each function, timed round-robin (timing.interleaved): on a shared machine a
+    burst of load then hits every candidate alike instead of whichever happened to run during it."""
+    return {name: t.best for name, t in interleaved(fns, device, rounds, min_time).items()}
 
 
 # ---------------------------------------------------------------- batch size: memory and the finder

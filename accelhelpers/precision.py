@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -16,8 +15,7 @@ from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .device import sync
-from .timing import Timing, benchmark
+from .timing import Timing, benchmark, interleaved  # noqa: F401  (interleaved: re-exported for chapter 04)
 
 PREFERENCES = ("bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -289,24 +287,6 @@ def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
 
 
 # ---------------------------------------------------------------- measurements
-
-def interleaved(fns: dict[str, Callable[[], Any]], device: torch.device | str = "cpu", rounds: int = 5,
-                min_time: float = 0.05) -> dict[str, Timing]:
-    """Time several functions in alternating rounds, so that background load hits all of them alike; a Timing each."""
-    if not fns or rounds < 1:
-        raise ValueError("interleaved needs at least one function and rounds >= 1")
-    calls = {k: benchmark(fn, device, warmup=2, repeats=1, min_time=min_time).calls_per_repeat
-             for k, fn in fns.items()}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls[k]):
-                fn()
-            sync(device)
-            times[k].append((time.perf_counter() - t0) / calls[k])
-    return {k: Timing(v, calls[k]) for k, v in times.items()}
-
 
 def train_eval(split: Any, sizes: Sequence[int], policy: Policy, seed: int, epochs: int = 10,
                batch_size: int = 256, lr: float = 3e-3) -> dict[str, float]:

@@ -90,6 +90,24 @@ def benchmark(fn: Callable[[], object], device: torch.device | str = "cpu", *, w
     return Timing(times, calls)
 
 
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5,
+                min_time: float = 0.05) -> dict[str, Timing]:
+    """Time several functions in alternating rounds, so that background load hits all of them alike; a Timing each."""
+    if not fns or rounds < 1:
+        raise ValueError("interleaved needs at least one function and rounds >= 1")
+    calls = {k: benchmark(fn, device, warmup=2, repeats=1, min_time=min_time).calls_per_repeat
+             for k, fn in fns.items()}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls[k]):
+                fn()
+            sync(device)
+            times[k].append((time.perf_counter() - t0) / calls[k])
+    return {k: Timing(v, calls[k]) for k, v in times.items()}
+
+
 def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:
     """Seconds per call measured the wrong way, without a device sync: on a GPU this times the launch only."""
     if calls < 1:
