@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -221,7 +220,3 @@ def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
     parts.append("</body></html>")
     return "\n".join(parts)
 
-
-def clean(out: Path) -> None:
-    """Remove a previous run's outputs (used by tests)."""
-    shutil.rmtree(out, ignore_errors=True)
