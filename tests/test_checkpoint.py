@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from accelhelpers import checkpoint as ck
@@ -292,47 +294,36 @@ def test_latest_good_checkpoint_picks_the_newest_that_verifies(tmp_path):
         ck.checkpoint_path(tmp_path, 1)
 
 
-try:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-except ImportError:  # hypothesis is a test-only dependency
-    given = None
+_plain = st.recursive(st.none() | st.booleans() | st.integers(-2**62, 2**62) | st.floats(allow_nan=False)
+                      | st.text(max_size=8),
+                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids,
+                                                                                max_size=3),
+                      max_leaves=8)
 
-if given is None:
-    @pytest.mark.skip(reason="hypothesis is not installed")
-    def test_property_checks_need_hypothesis():
-        pass
-else:
-    _plain = st.recursive(st.none() | st.booleans() | st.integers(-2**62, 2**62) | st.floats(allow_nan=False)
-                          | st.text(max_size=8),
-                          lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids,
-                                                                                    max_size=3),
-                          max_leaves=8)
+@settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(extra=_plain)
+def test_property_any_plain_extra_round_trips(tmp_path, extra):
+    ck.save_checkpoint(tmp_path / "p.pt", nn.Linear(2, 2), step=1, extra=extra)
+    assert ck.read_checkpoint(tmp_path / "p.pt")["extra"] == extra
 
-    @settings(max_examples=40, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(extra=_plain)
-    def test_property_any_plain_extra_round_trips(tmp_path, extra):
-        ck.save_checkpoint(tmp_path / "p.pt", nn.Linear(2, 2), step=1, extra=extra)
-        assert ck.read_checkpoint(tmp_path / "p.pt")["extra"] == extra
-
-    @settings(max_examples=150, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
-    def test_property_a_flipped_bit_anywhere_is_caught_or_harmless(tmp_path, where, bit):
-        """Never silently different: any one-bit flip either raises CheckpointError or loads the same content."""
-        path = tmp_path / "c.pt"
-        if not path.exists():
-            ck.save_checkpoint(path, nn.Linear(8, 8), step=7, extra={"note": "x"})
-        original = path.read_bytes()
-        data = bytearray(original)
-        data[int(where * len(data))] ^= 1 << bit
-        path.write_bytes(bytes(data))
-        try:
-            state = ck.read_checkpoint(path)
-        except ck.CheckpointError:
-            state = None
-        finally:
-            path.write_bytes(original)
-        if state is not None:
-            assert ck.digest(state) == ck.digest({k: v for k, v in ck.read_checkpoint(path).items()})
+@settings(max_examples=150, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_property_a_flipped_bit_anywhere_is_caught_or_harmless(tmp_path, where, bit):
+    """Never silently different: any one-bit flip either raises CheckpointError or loads the same content."""
+    path = tmp_path / "c.pt"
+    if not path.exists():
+        ck.save_checkpoint(path, nn.Linear(8, 8), step=7, extra={"note": "x"})
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[int(where * len(data))] ^= 1 << bit
+    path.write_bytes(bytes(data))
+    try:
+        state = ck.read_checkpoint(path)
+    except ck.CheckpointError:
+        state = None
+    finally:
+        path.write_bytes(original)
+    if state is not None:
+        assert ck.digest(state) == ck.digest({k: v for k, v in ck.read_checkpoint(path).items()})

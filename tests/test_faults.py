@@ -15,6 +15,8 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import accelhelpers as ah
@@ -353,98 +355,88 @@ def test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole(tmp_
 
 # --- property-based tests over the main entry points ---------------------------------------------------------------
 
-try:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-except ImportError:  # hypothesis is a test-only dependency
-    given = None
 
-if given is None:
-    @pytest.mark.skip(reason="hypothesis is not installed")
-    def test_property_checks_need_hypothesis():
-        pass
-else:
-    SETTINGS = settings(max_examples=60, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=60, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-    @SETTINGS
-    @given(sizes=st.lists(st.integers(-3, 40), max_size=5), batch=st.integers(-2, 64))
-    def test_property_mlp_and_its_flops_accept_exactly_the_valid_sizes(sizes, batch):
-        valid = len(sizes) >= 2 and all(s > 0 for s in sizes)
-        if not valid:
-            with pytest.raises(ValueError, match="positive layer sizes"):
-                models.mlp(sizes)
-            with pytest.raises(ValueError, match="positive layer sizes"):
-                timing.mlp_flops(sizes, max(batch, 1))
-            return
-        model = models.mlp(sizes)
-        assert ah.count_params(model) == sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
-        if batch <= 0:
-            with pytest.raises(ValueError, match="batch > 0"):
-                timing.mlp_flops(sizes, batch)
-        else:
-            first_layer_input_grad = 2 * batch * sizes[0] * sizes[1]
-            assert timing.mlp_flops(sizes, batch) == 3 * timing.mlp_flops(sizes, batch, backward=False) - \
-                first_layer_input_grad
+@SETTINGS
+@given(sizes=st.lists(st.integers(-3, 40), max_size=5), batch=st.integers(-2, 64))
+def test_property_mlp_and_its_flops_accept_exactly_the_valid_sizes(sizes, batch):
+    valid = len(sizes) >= 2 and all(s > 0 for s in sizes)
+    if not valid:
+        with pytest.raises(ValueError, match="positive layer sizes"):
+            models.mlp(sizes)
+        with pytest.raises(ValueError, match="positive layer sizes"):
+            timing.mlp_flops(sizes, max(batch, 1))
+        return
+    model = models.mlp(sizes)
+    assert ah.count_params(model) == sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
+    if batch <= 0:
+        with pytest.raises(ValueError, match="batch > 0"):
+            timing.mlp_flops(sizes, batch)
+    else:
+        first_layer_input_grad = 2 * batch * sizes[0] * sizes[1]
+        assert timing.mlp_flops(sizes, batch) == 3 * timing.mlp_flops(sizes, batch, backward=False) - \
+            first_layer_input_grad
 
-    @SETTINGS
-    @given(depth=st.integers(-3, 8))
-    def test_property_udl_depths(depth):
-        if depth in (1, 2, 3, 4):
-            assert abs(ah.count_params(ah.udl_mlp(depth, seed=0)) - 15_200) < 400
-        else:
-            with pytest.raises(ValueError, match=r"depths \[1, 2, 3, 4\]"):
-                ah.udl_sizes(depth)
+@SETTINGS
+@given(depth=st.integers(-3, 8))
+def test_property_udl_depths(depth):
+    if depth in (1, 2, 3, 4):
+        assert abs(ah.count_params(ah.udl_mlp(depth, seed=0)) - 15_200) < 400
+    else:
+        with pytest.raises(ValueError, match=r"depths \[1, 2, 3, 4\]"):
+            ah.udl_sizes(depth)
 
-    @SETTINGS
-    @given(name=st.text(alphabet="cpumdaxl:0123 -", max_size=7))
-    def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch):
-        kind, colon, index = name.partition(":")
-        if kind == "xla":
-            return  # xla is a real (installed) device here
-        monkeypatch.delenv("ACCEL_DEVICE", raising=False)
-        try:
-            dev = ah.best_device(name or None)
-        except device.DeviceUnavailable as e:
-            assert repr(name) in str(e) and "cpu" in str(e)
-        else:
-            assert dev.type == "cpu"
+@SETTINGS
+@given(name=st.text(alphabet="cpumdaxl:0123 -", max_size=7))
+def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch):
+    kind, colon, index = name.partition(":")
+    if kind == "xla":
+        return  # xla is a real (installed) device here
+    monkeypatch.delenv("ACCEL_DEVICE", raising=False)
+    try:
+        dev = ah.best_device(name or None)
+    except device.DeviceUnavailable as e:
+        assert repr(name) in str(e) and "cpu" in str(e)
+    else:
+        assert dev.type == "cpu"
 
-    @SETTINGS
-    @given(value=st.text(st.characters(blacklist_characters="\x00"), max_size=8))
-    def test_property_profile_is_valid_or_refused(value, monkeypatch):
-        monkeypatch.setenv("ACCEL_PROFILE", value)
-        try:
-            assert ah.profile() in ("quick", "full")
-        except ValueError as e:
-            assert "ACCEL_PROFILE" in str(e) and "choose one of quick, full" in str(e)
+@SETTINGS
+@given(value=st.text(st.characters(blacklist_characters="\x00"), max_size=8))
+def test_property_profile_is_valid_or_refused(value, monkeypatch):
+    monkeypatch.setenv("ACCEL_PROFILE", value)
+    try:
+        assert ah.profile() in ("quick", "full")
+    except ValueError as e:
+        assert "ACCEL_PROFILE" in str(e) and "choose one of quick, full" in str(e)
 
-    @SETTINGS
-    @given(start=st.integers(1, 4096), fits=st.integers(0, 4096), low=st.integers(1, 64))
-    def test_property_batch_backoff_finds_a_size_that_fits_or_reraises(start, fits, low, monkeypatch):
-        low = min(low, start)
-        monkeypatch.setattr(faults, "free_memory", lambda: None)  # gc.collect() per retry is slow; tested above
+@SETTINGS
+@given(start=st.integers(1, 4096), fits=st.integers(0, 4096), low=st.integers(1, 64))
+def test_property_batch_backoff_finds_a_size_that_fits_or_reraises(start, fits, low, monkeypatch):
+    low = min(low, start)
+    monkeypatch.setattr(faults, "free_memory", lambda: None)  # gc.collect() per retry is slow; tested above
 
-        def step(bs):
-            if bs > fits:
-                raise torch.OutOfMemoryError("CUDA out of memory.")
-            return bs
+    def step(bs):
+        if bs > fits:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return bs
 
-        if fits < low:
-            with pytest.raises(torch.OutOfMemoryError):
-                faults.with_batch_backoff(step, start, min_batch_size=low)
-        else:
-            _, bs = faults.with_batch_backoff(step, start, min_batch_size=low)
-            assert low <= bs <= min(start, fits) and (bs == start or 2 * bs >= fits or bs == low)
+    if fits < low:
+        with pytest.raises(torch.OutOfMemoryError):
+            faults.with_batch_backoff(step, start, min_batch_size=low)
+    else:
+        _, bs = faults.with_batch_backoff(step, start, min_batch_size=low)
+        assert low <= bs <= min(start, fits) and (bs == start or 2 * bs >= fits or bs == low)
 
-    @SETTINGS
-    @given(name=st.text(max_size=6), value=st.one_of(st.floats(), st.integers(), st.booleans()))
-    def test_property_record_keeps_any_number_under_a_nonempty_name(name, value):
-        results.set_chapter("prop")
-        if not name:
-            with pytest.raises(ValueError, match="needs a name"):
-                ah.record(name, value)
-            return
-        assert ah.record(name, value) is value
-        stored = {e["name"]: e["value"] for e in results.load_chapter(results.results_dir() / "prop.json")}
-        assert stored[name] == (value if isinstance(value, (int, bool)) or math.isfinite(value) else str(value))
+@SETTINGS
+@given(name=st.text(max_size=6), value=st.one_of(st.floats(), st.integers(), st.booleans()))
+def test_property_record_keeps_any_number_under_a_nonempty_name(name, value):
+    results.set_chapter("prop")
+    if not name:
+        with pytest.raises(ValueError, match="needs a name"):
+            ah.record(name, value)
+        return
+    assert ah.record(name, value) is value
+    stored = {e["name"]: e["value"] for e in results.load_chapter(results.results_dir() / "prop.json")}
+    assert stored[name] == (value if isinstance(value, (int, bool)) or math.isfinite(value) else str(value))
