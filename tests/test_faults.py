@@ -403,7 +403,7 @@ def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch
         assert dev.type == "cpu"
 
 @SETTINGS
-@given(value=st.text(st.characters(blacklist_characters="\x00"), max_size=8))
+@given(value=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=8))
 def test_property_profile_is_valid_or_refused(value, monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", value)
     try:
