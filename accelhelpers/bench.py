@@ -84,8 +84,9 @@ def _fastai_runner(data: Split) -> Callable[[int], object]:
 
 
 def variants(data: Split, n_models: int = 8, compile: bool = True) -> list[Variant]:
-    """The ablation, in order: each row changes one thing relative to the row before it (fastai aside; 'many'
-    builds on 'padded', without compile)."""
+    """The ablation, in order: each row changes one thing relative to the row before it (fastai aside;
+    'fullgraph' changes how the step is written, as one function, and 'many' builds on 'padded', without
+    compile)."""
     m = lambda: udl_mlp(DEPTH, seed=0).to(data.device)  # noqa: E731
     loop = train.FullBatchLoop
     rows = [
@@ -103,6 +104,8 @@ def variants(data: Split, n_models: int = 8, compile: bool = True) -> list[Varia
     if compile:
         rows.append(Variant("compiled", "+ torch.compile of the whole step", 1,
                             lambda: loop(train.pad_mlp(m()), data, LR, compile=True).run))
+        rows.append(Variant("fullgraph", "+ the step as one graph (torch.func), logits laid out [classes, batch]", 1,
+                            lambda: train.FullGraphLoop(train.pad_mlp(m()), data, LR).run))
     models = lambda: [train.pad_mlp(udl_mlp(DEPTH, seed=i)) for i in range(n_models)]  # noqa: E731
     rows.append(Variant("many", f"padded, {n_models} models in one step (batched matmuls)", n_models,
                         lambda: train.ManyModelsLoop(models(), data, LR).run))

@@ -40,6 +40,26 @@ def test_compiled_step_matches_eager(data):
     np.testing.assert_allclose(comp.loss, ref.loss, rtol=1e-4, atol=1e-5)
 
 
+def test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_place(data):
+    m = ah.udl_mlp(4, seed=3)
+    naive_model = train.clone(m)
+    naive = train.naive_fullbatch(naive_model, data, 100)
+    padded = train.pad_mlp(train.clone(m))
+    fg = train.FullGraphLoop(padded, data).run(100)
+    np.testing.assert_allclose(fg.loss, naive.loss, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(fg.train_err[1:], naive.train_err[:-1], atol=0.1)
+    np.testing.assert_allclose(fg.test_err, naive.test_err, atol=0.1)
+    # the model object itself was trained (the loop updates its weights in place), padding units still zero
+    torch.testing.assert_close(padded(data.x_test), naive_model(data.x_test), rtol=1e-4, atol=1e-4)
+    assert padded[0].weight[63:].abs().max() == 0
+
+
+def test_fullgraph_loop_refuses_a_model_it_cannot_write_as_one_function(data):
+    with pytest.raises(ValueError, match="FullGraphLoop needs an nn.Sequential"):
+        train.FullGraphLoop(torch.nn.Sequential(torch.nn.Linear(40, 10), torch.nn.Tanh(), torch.nn.Linear(10, 10)),
+                            data)
+
+
 def test_many_mlp_matches_vmap_over_the_individual_models(data):
     models = [ah.udl_mlp(3, seed=i) for i in range(5)]
     many = train.ManyMLP(models)
@@ -109,7 +129,7 @@ def test_bench_runs_every_variant_and_writes_the_schema(tmp_path):
     res = json.loads(out.read_text())
     assert res["schema"] == "accel-course/bench-fullbatch/1"
     names = [v["name"] for v in res["variants"]]
-    assert names == ["naive", "fastai", "tensors", "no_sync", "fast", "padded", "compiled", "many"]
+    assert names == ["naive", "fastai", "tensors", "no_sync", "fast", "padded", "compiled", "fullgraph", "many"]
     for v in res["variants"]:
         assert v["model_steps_per_s"] == pytest.approx(v["steps_per_s"] * v["n_models"])
         flops = res["workload"]["train_flops_per_model_step"]
