@@ -149,11 +149,75 @@ def _load_run(out: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+# The headline table of the report: per chapter, the results that say most about this machine, with a label.
+# A result a run did not record is left out of the headline (it still shows in the chapter's full table).
+HEADLINES: dict[str, list[tuple[str, str]]] = {
+    "01": [("fp32_matmul_peak", "fp32 matmul peak"), ("copy_bandwidth", "memory bandwidth, large copy")],
+    "02": [("best_speedup_vs_naive", "fastest loop vs the naive loop (model-steps/s)"),
+           ("best_fraction_of_peak", "fastest loop, share of the fp32 matmul peak")],
+    "03": [("epochs_to_target_adam_one_cycle_ours", "epochs to 80 % test accuracy, Adam + one-cycle"),
+           ("epochs_to_target_adam_ours", "epochs to 80 % test accuracy, Adam")],
+    "04": [("step_speedup_mixed", "mixed-precision training step vs fp32"),
+           ("saved_activation_ratio", "activations saved for backward, mixed vs fp32")],
+    "05": [("data_wait_share[per-item, workers=0]", "share of a step waiting on data, per-item loading"),
+           ("data_wait_share[device tensors + augment_batch]", "the same with batch transforms on the device")],
+    "06": [("ddp_speedup_b512", "2 processes vs 1 (DDP, per-rank batch 512)"),
+           ("ddp_comm_share_b64", "share of a step in the all-reduce, batch 64")],
+    "07": [("bucketing_speedup", "bucketed input lengths vs one compile per length"),
+           ("xla_compile_s", "XLA compile of one training step")],
+    "08": [("int8_size_ratio", "model file, fp32 / int8"),
+           ("int8_b256_latency_ratio", "int8 / fp32 latency, batch 256"),
+           ("hls_16_6_argmax_agreement", "hls4ml ap_fixed<16,6> agrees with float")],
+}
+
+
 def _fmt(value: Any) -> str:
     """A value for a table: floats to 3 significant digits."""
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e6 else f"{value:,.0f}"
     return str(value)
+
+
+def _fmt_unit(value: Any, unit: str) -> str:
+    """A value with its unit as a learner reads it: ratios as '12.3x', fractions and shares as percentages."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{value} {unit}".strip()
+    if unit in ("x", "ratio"):
+        return f"{value:.3g}×"
+    if unit in ("fraction", "share"):
+        return f"{value * 100:.3g} %"
+    return f"{_fmt(value)} {unit}".strip()
+
+
+def headlines(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str, str]]:
+    """(chapter, label, formatted value, note) for each headline result that the run recorded."""
+    rows = []
+    for key, picks in HEADLINES.items():
+        recorded = {e["name"]: e for e in results.get(key, [])}
+        for name, label in picks:
+            if name in recorded:
+                e = recorded[name]
+                rows.append((key, label, _fmt_unit(e["value"], e["unit"]), e.get("note", "")))
+    return rows
+
+
+def missing_headlines(out: Path | None = None) -> list[str]:
+    """Headline results that a chapter which ran without error did not record (a renamed result, say)."""
+    out = Path(out) if out else default_out()
+    results = load_results(out / "results")
+    missing = []
+    for key, st in _load_run(out)["chapters"].items():
+        recorded = {e["name"] for e in results.get(key, [])}
+        missing += [f"{key}: {name}" for name, _ in HEADLINES.get(key, []) if st["ok"] and name not in recorded]
+    return missing
+
+
+def _machine(hw: dict[str, Any]) -> str:
+    """One line naming the hardware the numbers were measured on."""
+    parts = [f"{hw.get('gpu')} ({hw.get('gpu_memory_gb')} GiB)" if hw.get("gpu") else None,
+             f"{hw.get('cpu', 'CPU')}, {hw.get('cpu_cores', '?')} cores",
+             f"torch {hw.get('torch', '?')}", f"best device: {hw.get('best_device', '?')}"]
+    return " · ".join(p for p in parts if p)
 
 
 def report(out: Path | None = None) -> tuple[Path, Path]:
@@ -163,13 +227,21 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
     results = load_results(out / "results")
     figures = sorted((out / "results" / "figures").glob("*.png"))
     hw = run_info.get("hardware") or hardware_report()
-    md = [f"# accel-course report\n\nProfile **{run_info['profile']}**, finished {run_info['finished']}.\n",
-          "## Hardware\n", "```", format_report(hw), "```\n", "## Chapters\n",
-          "| chapter | title | status | seconds |", "|---|---|---|---|"]
-    for key, st in run_info["chapters"].items():
+    chs = run_info["chapters"]
+    total = sum(st["seconds"] for st in chs.values())
+    failed = [k for k, st in chs.items() if not st["ok"]]
+    md = [f"# accel-course report\n\n{_machine(hw)}\n\nProfile **{run_info['profile']}**, finished "
+          f"{run_info['finished']}: {len(chs) - len(failed)} of {len(chs)} chapters ran, in {total:.0f} s.\n"]
+    if failed:
+        md.append("**Failed:** " + ", ".join(f"{k} ({TITLES.get(k, chs[k]['notebook'])})" for k in failed) + "\n")
+    md += ["## Headline results\n", "| chapter | result | value | note |", "|---|---|---|---|"]
+    md += [f"| {k} | {label} | {value} | {note} |" for k, label, value, note in headlines(results)]
+    md += ["\n## Chapters\n", "| chapter | title | status | seconds |", "|---|---|---|---|"]
+    for key, st in chs.items():
         md.append(f"| {key} | {TITLES.get(key, st['notebook'])} | {'ok' if st['ok'] else 'FAILED'} | "
                   f"{st['seconds']} |")
-    for key, st in run_info["chapters"].items():
+    md += ["\n## Hardware\n", "```", format_report(hw), "```"]
+    for key, st in chs.items():
         md.append(f"\n## {key} · {TITLES.get(key, st['notebook'])}\n")
         if not st["ok"]:
             md.append(f"**Failed:** `{st['error']}`\n")
@@ -188,35 +260,59 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
     return md_path, html_path
 
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:.3em .7em;text-align:left}
-th{background:#f3f3f3}.ok{color:#137333}.fail{color:#b3261e;font-weight:bold}pre{background:#f7f7f7;padding:1em}
-img{max-width:100%;border:1px solid #eee;margin:.5em 0}td.num{text-align:right;font-variant-numeric:tabular-nums}"""
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1040px;margin:2em auto;padding:0 1em;color:#222;
+line-height:1.4}h1{margin-bottom:.2em}.machine{font-size:1.1em;color:#444}
+table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ddd;padding:.35em .7em;text-align:left;
+vertical-align:top}th{background:#f3f3f3}tr:nth-child(even) td{background:#fafafa}.ok{color:#137333}
+.fail{color:#b3261e;font-weight:bold}.failbox{border:2px solid #b3261e;background:#fdecea;padding:.6em 1em}
+pre{background:#f7f7f7;padding:1em;overflow-x:auto}td.num{text-align:right;font-variant-numeric:tabular-nums}
+table#headline td.num{font-weight:bold;font-size:1.1em;white-space:nowrap}.note{color:#666;font-size:.9em}
+.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:.8em}
+.figs img{width:100%;border:1px solid #eee}details{margin:.3em 0 1em}summary{cursor:pointer;color:#1a73e8}"""
 
 
 def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
-    """The report as one self-contained-but-for-images HTML page."""
+    """The report as one HTML page (figures linked from results/figures)."""
     e = html.escape
+    chs = run_info["chapters"]
+    total = sum(st["seconds"] for st in chs.values())
+    failed = [k for k, st in chs.items() if not st["ok"]]
     rows = "".join(
         f"<tr><td>{k}</td><td><a href='#ch{k}'>{e(TITLES.get(k, s['notebook']))}</a></td>"
         f"<td class={'ok' if s['ok'] else 'fail'}>{'ok' if s['ok'] else 'FAILED'}</td>"
-        f"<td class=num>{s['seconds']}</td></tr>" for k, s in run_info["chapters"].items())
+        f"<td class=num>{s['seconds']}</td></tr>" for k, s in chs.items())
+    heads = "".join(f"<tr><td><a href='#ch{k}'>{k}</a></td><td>{e(label)}</td><td class=num>{e(value)}</td>"
+                    f"<td class=note>{e(note)}</td></tr>" for k, label, value, note in headlines(results))
     parts = [f"<!doctype html><html><head><meta charset=utf-8><title>accel-course report</title>"
              f"<style>{_CSS}</style></head><body><h1>accel-course report</h1>"
-             f"<p>Profile <b>{e(run_info['profile'])}</b>, finished {e(run_info['finished'])}.</p>"
-             f"<h2>Hardware</h2><pre>{e(format_report(hw))}</pre><h2>Chapters</h2>"
-             f"<table><tr><th>chapter</th><th>title</th><th>status</th><th>seconds</th></tr>{rows}</table>"]
-    for key, st in run_info["chapters"].items():
+             f"<p class=machine>{e(_machine(hw))}</p>"
+             f"<p>Profile <b>{e(run_info['profile'])}</b>, finished {e(run_info['finished'])}: "
+             f"{len(chs) - len(failed)} of {len(chs)} chapters ran, in {total:.0f} s.</p>"]
+    if failed:
+        parts.append("<div class=failbox><b class=fail>Failed chapters:</b><ul>" + "".join(
+            f"<li><a href='#ch{k}'>{k} · {e(TITLES.get(k, chs[k]['notebook']))}</a>: "
+            f"<code>{e(str(chs[k]['error']))}</code></li>" for k in failed) + "</ul>"
+            "Open the executed notebook in <code>notebooks/</code> beside this report to see the cell that failed."
+            "</div>")
+    parts.append("<h2>Headline results</h2>" + (
+        f"<table id=headline><tr><th>ch.</th><th>result</th><th>value</th><th>note</th></tr>{heads}</table>"
+        if heads else "<p>No headline results were recorded.</p>"))
+    parts.append(f"<h2>Chapters</h2><table id=chapters><tr><th>chapter</th><th>title</th><th>status</th>"
+                 f"<th>seconds</th></tr>{rows}</table><h2>Hardware</h2><pre>{e(format_report(hw))}</pre>")
+    for key, st in chs.items():
         parts.append(f"<h2 id=ch{key}>{key} · {e(TITLES.get(key, st['notebook']))}</h2>")
         if not st["ok"]:
             parts.append(f"<p class=fail>Failed: <code>{e(str(st['error']))}</code></p>")
+        figs = [f for f in figures if f.name.startswith(f"{key}_")]
+        if figs:
+            parts.append("<div class=figs>" + "".join(
+                f"<img src='results/figures/{e(f.name)}' alt='{e(f.stem)}'>" for f in figs) + "</div>")
         entries = results.get(key, [])
         if entries:
-            parts.append("<table><tr><th>result</th><th>value</th><th>unit</th><th>note</th></tr>" + "".join(
-                f"<tr><td>{e(r['name'])}</td><td class=num>{e(_fmt(r['value']))}</td><td>{e(r['unit'])}</td>"
-                f"<td>{e(r['note'])}</td></tr>" for r in entries) + "</table>")
-        for fig in (f for f in figures if f.name.startswith(f"{key}_")):
-            parts.append(f"<img src='results/figures/{e(fig.name)}' alt='{e(fig.stem)}'>")
+            parts.append(f"<details><summary>all {len(entries)} recorded results</summary>"
+                         "<table><tr><th>result</th><th>value</th><th>unit</th><th>note</th></tr>" + "".join(
+                             f"<tr><td>{e(r['name'])}</td><td class=num>{e(_fmt(r['value']))}</td>"
+                             f"<td>{e(r['unit'])}</td><td>{e(r['note'])}</td></tr>" for r in entries)
+                         + "</table></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
-

@@ -54,8 +54,11 @@ def test_run_goes_on_past_a_failing_chapter_and_names_it(toy_course):
     assert "broken on purpose" in run["chapters"]["02"]["error"]
     report = (out / "report.md").read_text()
     assert "| answer | 42 | units | a toy result |" in report and "FAILED" in report
-    assert "broken on purpose" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "broken on purpose" in html and "Failed chapters" in html and "2 of 3 chapters ran" in html
     assert (out / "notebooks" / "01_ok.ipynb").exists()
+    # the toy chapter 01 records none of the real chapter 01's headline results: the CLI says so
+    assert "headline result not recorded, chapter 01: fp32_matmul_peak" in r.stderr
 
 
 def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path):
@@ -83,4 +86,16 @@ def test_real_chapter_01_through_the_cli(tmp_path):
     assert (out / "results" / "figures" / "01_roofline.png").exists()
     html = (out / "report.html").read_text()
     assert "fp32_matmul_peak" in html and "01_roofline.png" in html and "GFLOP/s" in html
+    assert "Headline results" in html and "fp32 matmul peak" in html and "not recorded" not in r.stderr
     assert not list((ROOT / "notebooks").glob("*.tmp*"))
+
+
+def test_headline_values_read_as_a_learner_reads_them():
+    from accelhelpers import course
+
+    results = {"02": [{"name": "best_speedup_vs_naive", "value": 12.345, "unit": "x", "note": "n"},
+                      {"name": "best_fraction_of_peak", "value": 0.5573, "unit": "fraction", "note": ""}],
+               "99": [{"name": "best_speedup_vs_naive", "value": 1.0, "unit": "x", "note": ""}]}
+    rows = course.headlines(results)
+    assert [(k, v) for k, _, v, _ in rows] == [("02", "12.3×"), ("02", "55.7 %")]
+    assert course._fmt_unit(213.03, "GFLOP/s") == "213 GFLOP/s" and course._fmt_unit(True, "bool") == "True bool"
