@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv course test lab notebooks bench lint clean
+.PHONY: venv course test test-compat lab notebooks bench lint clean
 
 venv: $(STAMP)
 
@@ -19,9 +19,36 @@ $(STAMP): requirements.txt pyproject.toml
 course: venv
 	$(BIN)/python -m accelhelpers course run --profile quick
 
-test: venv lint
+test: venv lint browser
 	ACCEL_PROFILE=quick $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg
+
+# The unit tests against the newer torch of requirements-compat.txt, in .venv-compat, without torch_xla:
+# Colab ships a newer torch than our pins, and the helpers must work there too. Every other pin is the same.
+COMPAT := .venv-compat
+$(COMPAT)/.installed: requirements.txt requirements-compat.txt pyproject.toml
+	@test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	@mkdir -p build
+	grep -vE '^(torch|torchvision|torch-xla|playwright)==' requirements.txt > build/requirements-compat-rest.txt
+	$(COMPAT)/bin/python -m pip install -q -r requirements-compat.txt -r build/requirements-compat-rest.txt
+	@touch $@
+
+test-compat: $(COMPAT)/.installed
+	ACCEL_PROFILE=quick ACCEL_COMPAT=1 $(COMPAT)/bin/python -m pytest tests -p no:cacheprovider \
+		--ignore=tests/test_browser.py
+
+# Headless Chromium for tests/test_browser.py: Debian's package (never a browser download). Installed when
+# missing and we are root with apt-get (as in CI); elsewhere a note, and the browser tests skip.
+.PHONY: browser
+browser:
+	@if [ -n "$$ACCEL_CHROMIUM" ] || command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's chromium for the browser tests"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; } \
+		|| { echo "apt-get install chromium failed: install it, or set ACCEL_CHROMIUM to a Chromium"; exit 1; }; \
+	else echo "Chromium not found: install it (Debian/Ubuntu: apt-get install chromium) or set ACCEL_CHROMIUM;" \
+		"the browser tests will be skipped"; fi
 
 lab: venv
 	$(BIN)/jupyter lab notebooks

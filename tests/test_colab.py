@@ -53,3 +53,21 @@ def test_setup_cell_installs_the_helpers_only_on_colab(nb, monkeypatch):
     assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
     assert f"accelhelpers @ git+{REPO_URL}" in cmd
     assert not any(re.match(r"torch\b", arg) for arg in cmd), "the setup cell must never reinstall torch"
+
+
+def test_colab_extras_are_our_pins_and_none_of_them_brings_torch(monkeypatch):
+    """Chapter 08 installs its deployment tools on Colab (Colab has none of them): the versions must be the
+    pinned ones, and none of them may depend on torch (pip would replace Colab's build)."""
+    from importlib.metadata import requires
+
+    pins = dict(line.split(";")[0].strip().split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    for nb in NOTEBOOKS:
+        src = _setup_source(nb)
+        extras = re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', src)
+        for name, ver in extras:
+            assert pins.get(name) == ver, f"{nb.name}: {name}=={ver} on Colab, requirements.txt: {pins.get(name)}"
+            deps = [re.split(r"[ ;<>=!~\[]", r)[0].lower() for r in (requires(name) or []) if "extra ==" not in r]
+            assert "torch" not in deps, f"{name} depends on torch"
+        if nb.name.startswith("08_"):
+            assert {n for n, _ in extras} == {"onnx", "onnxscript", "onnxruntime", "hls4ml"}

@@ -1,6 +1,7 @@
 """The pinned environment: requirements.txt and environment.yml agree, and the pins are the ones installed."""
 
-from importlib.metadata import version
+import os
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,42 @@ def test_environment_yml_matches_requirements():
     assert pip_lines == req
 
 
-@pytest.mark.parametrize("name,pin", [("torch", "2.9.0"), ("torchvision", "0.24.0"), ("fastai", "2.8.12")])
-def test_core_pins_installed(name, pin):
-    assert version(name).split("+")[0] == pin
+COMPAT = os.environ.get("ACCEL_COMPAT") == "1"  # set by `make test-compat` (.venv-compat, newer torch)
+
+
+def _pinned(path):
+    """{package: version} of the exact pins in a requirements file (markers dropped)."""
+    pins = {}
+    for line in _pins((ROOT / path).read_text().splitlines()):
+        if "==" in line:
+            name, ver = line.split(";")[0].split("==")
+            pins[name.strip()] = ver.strip()
+    return pins
+
+
+def _expected():
+    pins = _pinned("requirements.txt")
+    if COMPAT:
+        pins.update(_pinned("requirements-compat.txt"))
+    return pins
+
+
+@pytest.mark.parametrize("name", ["torch", "torchvision", "fastai", "accelerate", "onnxruntime"])
+def test_core_pins_installed(name):
+    assert version(name).split("+")[0] == _expected()[name]
+
+
+def test_compat_pins_are_newer_torch_and_replace_only_torch_and_torchvision():
+    compat, main = _pinned("requirements-compat.txt"), _pinned("requirements.txt")
+    assert set(compat) == {"torch", "torchvision"}
+    as_tuple = lambda v: tuple(int(p) for p in v.split("."))  # noqa: E731
+    assert all(as_tuple(compat[k]) > as_tuple(main[k]) for k in compat)
+
+
+@pytest.mark.skipif(not COMPAT, reason="only in `make test-compat`")
+def test_compat_environment_has_no_torch_xla():
+    with pytest.raises(PackageNotFoundError):
+        version("torch_xla")
 
 
 def test_every_requirement_is_pinned_exactly():
