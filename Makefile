@@ -20,7 +20,7 @@ course: venv
 	$(BIN)/python -m accelhelpers course run --profile quick
 
 test: venv lint browser
-	ACCEL_PROFILE=quick $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
+	ACCEL_PROFILE=quick TQDM_DISABLE=1 $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg
 
 # The unit tests against the newer torch of requirements-compat.txt, in .venv-compat, without torch_xla:
@@ -34,7 +34,7 @@ $(COMPAT)/.installed: requirements.txt requirements-compat.txt pyproject.toml
 	@touch $@
 
 test-compat: $(COMPAT)/.installed
-	ACCEL_PROFILE=quick ACCEL_COMPAT=1 $(COMPAT)/bin/python -m pytest tests -p no:cacheprovider \
+	ACCEL_PROFILE=quick ACCEL_COMPAT=1 TQDM_DISABLE=1 $(COMPAT)/bin/python -m pytest tests -p no:cacheprovider \
 		--ignore=tests/test_browser.py
 
 # Headless Chromium for tests/test_browser.py: Debian's package (never a browser download). Installed when

@@ -20,14 +20,14 @@ from .device import (
 )
 from .models import count_params, udl_mlp, udl_sizes
 from .results import record, results_dir, save_figure
-from .session import Setup, seed_everything, setup
+from .session import Setup, progress, seed_everything, setup
 from .timing import Timing, benchmark, fraction_of_peak, measure_peaks, mlp_flops
 
 __version__ = "0.1.0"
 __all__ = [
     "DeviceUnavailable", "Setup", "Split", "Timing", "available_devices", "benchmark", "best_device",
     "count_params", "digits", "format_report", "fraction_of_peak", "hardware_report", "in_colab",
-    "measure_peaks", "mlp_flops", "mnist1d", "profile", "record", "results_dir", "save_figure",
+    "measure_peaks", "mlp_flops", "mnist1d", "profile", "progress", "record", "results_dir", "save_figure",
     "seed_everything", "setup", "sync", "udl_mlp", "udl_sizes",
 ]
 

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .session import progress as _progress
+
 INSTALL_HINTS: dict[str, str] = {
     "onnx": "pip install onnx",
     "onnxscript": "pip install onnxscript (torch.onnx.export's dynamo exporter needs it)",
@@ -55,28 +57,30 @@ def require(*tools: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- training
 def fit_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int = 128,
-                   lr: float = 3e-3, seed: int = 0, threads: int | None = None) -> nn.Module:
+                   lr: float = 3e-3, seed: int = 0, threads: int | None = None,
+                   progress: str | bool = False) -> nn.Module:
     """Train a classifier with AdamW and a one-cycle schedule on shuffled minibatches; returns it in eval mode.
-    `threads` sets torch's CPU threads while training (tiny models are often fastest on one)."""
+    `threads` sets torch's CPU threads while training (tiny models are often fastest on one); `progress` shows
+    a bar over the epochs (a string labels it)."""
     if epochs < 1 or batch_size < 1 or len(x) != len(y):
         raise ValueError(f"need epochs >= 1, batch_size >= 1 and as many labels as rows (got {len(x)} and {len(y)})")
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        return _fit(model, x, y, epochs, batch_size, lr, seed)
+        return _fit(model, x, y, epochs, batch_size, lr, seed, progress)
     finally:
         torch.set_num_threads(before)
 
 
 def _fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int, lr: float,
-         seed: int) -> nn.Module:
+         seed: int, progress: str | bool = False) -> nn.Module:
     """The training loop of `fit_classifier`."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     steps = epochs * math.ceil(len(x) / batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     model.train()
-    for _ in range(epochs):
+    for _ in _progress(range(epochs), progress, unit="epoch"):
         for idx in torch.randperm(len(x), generator=gen).split(batch_size):
             loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)

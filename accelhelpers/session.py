@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from .device import best_device, format_report, hardware_report, profile
 from .results import set_chapter
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], desc: str | bool | None = None, **kw: Any) -> Iterable[T]:
+    """`items` with a progress bar (tqdm.auto: a widget in Jupyter, text in a terminal) when `desc` is truthy;
+    plain `items` otherwise. The bar redraws at most twice a second and disappears when done. Set the
+    environment variable TQDM_DISABLE=1 to silence every bar (`make test` does, so CI logs stay clean)."""
+    if not desc:
+        return items
+    from tqdm.auto import tqdm
+
+    label = desc if isinstance(desc, str) else None
+    return tqdm(items, desc=label, leave=False, mininterval=0.5, **kw)
 
 
 def seed_everything(seed: int) -> None:

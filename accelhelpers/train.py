@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .data import Split
+from .session import progress as _progress
 
 
 @dataclass
@@ -136,13 +137,13 @@ class FullBatchLoop:
             test_err = error_percent(self.model(self.data.x_test), self.data.y_test)
         return loss.detach(), error_percent(logits.detach(), y), test_err
 
-    def run(self, epochs: int) -> History:
-        """Train for `epochs` full-batch steps and return the per-epoch errors."""
+    def run(self, epochs: int, progress: str | bool = False) -> History:
+        """Train for `epochs` full-batch steps and return the per-epoch errors (`progress`: a bar, or its label)."""
         _check(self.data, epochs, 1.0)
         dev = self.data.device
         metrics = torch.zeros(3, epochs, device=dev)
         host = np.zeros((3, epochs))
-        for epoch in range(epochs):
+        for epoch in _progress(range(epochs), progress, unit="epoch"):
             if self.loader is not None:
                 x, y = next(iter(self.loader))
             else:
@@ -276,12 +277,12 @@ class ManyModelsLoop(FullBatchLoop):
             test_err = error_percent(self.many(self.data.x_test), self.data.y_test)
         return losses.detach(), error_percent(logits.detach(), y), test_err
 
-    def run(self, epochs: int) -> History:
+    def run(self, epochs: int, progress: str | bool = False) -> History:
         """Train all K models for `epochs` steps; histories have shape [K, epochs]."""
         _check(self.data, epochs, 1.0)
         k = self.many.k
         metrics = torch.zeros(3, k, epochs, device=self.data.device)
-        for epoch in range(epochs):
+        for epoch in _progress(range(epochs), progress, unit="epoch"):
             loss, tr, te = self.step(self.data.x_train, self.data.y_train)
             metrics[0, :, epoch], metrics[1, :, epoch], metrics[2, :, epoch] = loss, tr, te
         host = metrics.cpu().numpy()

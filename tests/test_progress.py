@@ -1,0 +1,57 @@
+"""Progress bars: shown on long loops when asked, silenced by TQDM_DISABLE=1 (as `make test` sets), and never
+inside a notebook cell whose output nbval compares."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import accelhelpers as ah
+from accelhelpers import train
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+# what draws a bar: tqdm itself, our wrapper, a helper asked for one, fastai's fit/fine_tune, the bench
+DRAWS_A_BAR = re.compile(r"\btqdm\(|ah\.progress\(|progress=(?!False)|\.fit(_one_cycle|_flat_cos)?\(|"
+                         r"\.fine_tune\(|\.lr_find\(|run_fullbatch\(")
+QUIET = ("no_bar()", "progress=False", "# no bar:")
+
+
+def _train_with_a_bar(disable: bool) -> str:
+    """stderr of a fresh process that trains 3 epochs with a progress bar (tqdm reads TQDM_* at import)."""
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"} | ({"TQDM_DISABLE": "1"} if disable else {})
+    code = ("import accelhelpers as ah\nfrom accelhelpers import train\n"
+            "assert ah.progress([1], None) == [1] and ah.progress([1], False) == [1]\n"
+            "train.FullBatchLoop(ah.udl_mlp(1, seed=0), ah.mnist1d()).run(3, progress='depth 1')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stderr
+
+
+def test_a_bar_is_drawn_when_asked_and_tqdm_disable_silences_it():
+    assert "depth 1:   0%|" in _train_with_a_bar(disable=False)  # the bar, labelled, before the first epoch
+    assert "depth 1" not in _train_with_a_bar(disable=True)
+
+
+def test_a_loop_with_a_bar_trains_exactly_as_one_without():
+    data = ah.mnist1d()
+    m = ah.udl_mlp(2, seed=4)
+    a = train.FullBatchLoop(train.clone(m), data).run(5)
+    b = train.FullBatchLoop(train.clone(m), data).run(5, progress=True)
+    assert (a.loss == b.loss).all()
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_cells_that_draw_bars_are_not_compared_by_nbval(nb):
+    for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+        src = "".join(cell["source"])
+        code = re.sub(r"#.*", "", src)  # comments draw nothing
+        if cell["cell_type"] != "code" or not DRAWS_A_BAR.search(code) or any(q in src for q in QUIET):
+            continue
+        tags = cell.get("metadata", {}).get("tags", [])
+        assert {"nbval-ignore-output", "nbval-skip"} & set(tags), (
+            f"{nb.name} cell {i} draws a progress bar but nbval compares its output: tag it nbval-ignore-output")
