@@ -203,8 +203,38 @@ class FullGraphLoop(FullBatchLoop):
             mode = "reduce-overhead"  # CUDA graphs; the weights keep their addresses, so mark them static
             for p in self.params:
                 torch._dynamo.mark_static_address(p)
+        self._step = lambda x, y: _fullgraph_step(lr, self.params, x, y, data.x_test, data.y_test)
         compiled = torch.compile(partial(_fullgraph_step, lr), fullgraph=True, mode=mode)
         self.step = lambda x, y: compiled(self.params, x, y, data.x_test, data.y_test)
+
+
+@dataclass
+class GraphReport:
+    """What torch.compile's tracer (Dynamo) makes of one training step."""
+
+    graphs: int
+    graph_breaks: int
+    reasons: list[str]  # one line per distinct reason for a break: Dynamo's explanation when it gives one
+
+
+def graph_breaks(loop: FullBatchLoop) -> GraphReport:
+    """Trace one step of `loop` with `torch._dynamo.explain` (nothing is compiled or trained) and count the graphs
+    and graph breaks: each break is a place where compiled code stops and Python runs in between."""
+    _quiet_compiler_logs()
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in loop.model.parameters()]
+    try:
+        ex = torch._dynamo.explain(loop._step)(loop.data.x_train, loop.data.y_train)
+    finally:  # tracing runs the step once: put the weights back
+        with torch.no_grad():
+            for p, s in zip(loop.model.parameters(), saved):
+                p.copy_(s)
+    reasons = []
+    for b in ex.break_reasons:
+        lines = [ln.strip() for ln in str(b.reason).splitlines() if ln.strip()]
+        why = [ln.removeprefix("Explanation:").strip() for ln in lines if ln.startswith("Explanation:")]
+        reasons.append((why or lines or ["?"])[0])
+    return GraphReport(ex.graph_count, ex.graph_break_count, reasons)
 
 
 def _quiet_compiler_logs() -> None:

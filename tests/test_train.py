@@ -60,6 +60,17 @@ def test_fullgraph_loop_refuses_a_model_it_cannot_write_as_one_function(data):
                             data)
 
 
+def test_graph_breaks_counts_what_dynamo_makes_of_each_step_and_trains_nothing(data):
+    usual = train.FullBatchLoop(train.pad_mlp(ah.udl_mlp(2, seed=5)), data)
+    before = [p.detach().clone() for p in usual.model.parameters()]
+    rep = train.graph_breaks(usual)
+    assert rep.graph_breaks >= 1 and rep.graphs == rep.graph_breaks + 1
+    assert any("zero_grad" in r for r in rep.reasons)
+    assert all(torch.equal(a, b) for a, b in zip(before, usual.model.parameters()))
+    one = train.graph_breaks(train.FullGraphLoop(train.pad_mlp(ah.udl_mlp(2, seed=5)), data))
+    assert (one.graphs, one.graph_breaks, one.reasons) == (1, 0, [])
+
+
 def test_many_mlp_matches_vmap_over_the_individual_models(data):
     models = [ah.udl_mlp(3, seed=i) for i in range(5)]
     many = train.ManyMLP(models)
