@@ -267,8 +267,8 @@ vertical-align:top}th{background:#f3f3f3}tr:nth-child(even) td{background:#fafaf
 .fail{color:#b3261e;font-weight:bold}.failbox{border:2px solid #b3261e;background:#fdecea;padding:.6em 1em}
 pre{background:#f7f7f7;padding:1em;overflow-x:auto}td.num{text-align:right;font-variant-numeric:tabular-nums}
 table#headline td.num{font-weight:bold;font-size:1.1em;white-space:nowrap}.note{color:#666;font-size:.9em}
-.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:.8em}
-.figs img{width:100%;border:1px solid #eee}details{margin:.3em 0 1em}summary{cursor:pointer;color:#1a73e8}"""
+.figs{display:flex;flex-direction:column;gap:.8em}.figs img{max-width:100%;border:1px solid #eee}
+details{margin:.3em 0 1em}summary{cursor:pointer;color:#1a73e8}"""
 
 
 def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
