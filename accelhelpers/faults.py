@@ -85,6 +85,15 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 60.0) -> tuple[in
     return dist.get_rank(), dist.get_world_size()
 
 
+def finish_distributed() -> None:
+    """Leave the process group together: a barrier first, so that no rank tears down its connections while a
+    peer is still working (with gloo that can abort the peer at exit), then destroy the group. Only for runs
+    whose ranks are all alive: a barrier with a dead peer waits for the collective timeout."""
+    if _distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @contextmanager
 def peer_guard(what: str = "collective") -> Iterator[None]:
     """Turn the backend's error from a collective whose peer died or timed out into a PeerFailure saying so."""

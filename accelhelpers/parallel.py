@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ck
-from .faults import init_distributed
+from .faults import finish_distributed, init_distributed
 from .models import mlp
 
 WORKERS = ("equivalence", "ddp_train", "fastai_train", "accelerate_launchers", "fsdp_memory")
@@ -227,8 +227,7 @@ def equivalence(out: Path, steps: int, batch: int) -> None:
     if rank == 0:
         ck.save_checkpoint(out / "manual.pt", manual, step=steps)
         ck.save_checkpoint(out / "ddp.pt", ddp, step=steps)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def reference(steps: int, batch: int, world: int = 2) -> nn.Module:
@@ -327,7 +326,7 @@ def ddp_train(out: Path, epochs: int, batch: int, width: int, bench_steps: int, 
     dist.all_gather_object(everyone, res)
     if rank == 0:
         (out / f"ddp_world{world}.json").write_text(json.dumps(everyone))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def scaling_summary(per_rank: list[dict[str, Any]], batch: int | None = None) -> dict[str, float]:
@@ -405,7 +404,7 @@ def fastai_train(out: Path, epochs: int, batch: int, lr: float, patch: bool) -> 
         res = {"world": world, "accuracy": acc, "ranks_equal": all(torch.equal(g, flat) for g in gathered)}
         print(f"[rank0] fastai distrib_ctx on {world} processes: accuracy {acc:.3f}", flush=True)
         (out / "fastai.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 def accelerate_worker(out: str, tag: str) -> None:
@@ -476,7 +475,7 @@ def fsdp_memory(out: Path, width: int) -> None:
         print(f"[rank0] parameter bytes per rank: DDP {res['ddp']['param_bytes']}, "
               f"FSDP2 {res['fsdp']['param_bytes']}", flush=True)
         (out / "fsdp.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    finish_distributed()
 
 
 # --- batch size and learning rate ------------------------------------------------------------------------------------

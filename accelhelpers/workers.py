@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ck
-from .faults import NonFiniteError, PeerFailure, check_finite, init_distributed, peer_guard
+from .faults import NonFiniteError, PeerFailure, check_finite, finish_distributed, init_distributed, peer_guard
 from .session import seed_everything
 
 TOY_TOTAL_STEPS = 100
@@ -133,7 +133,7 @@ def ddp_nonfinite(out: Path, steps: int, bad_rank: int, bad_step: int, timeout_s
         opt.step()
         result["completed"] = step + 1
     _write_json(out / f"rank{rank}.json", result)
-    torch.distributed.destroy_process_group()
+    finish_distributed()  # every rank stopped at the same step and is alive
 
 
 def ddp_peer(out: Path, fault: str, timeout_s: float) -> None:
@@ -190,7 +190,7 @@ def ddp_train(out: Path, steps: int, crash_at: int, timeout_s: float) -> None:
             torch.distributed.barrier()
     if rank == 0:
         ck.save_checkpoint(out / "final.pt", model, opt, sched, step=steps)
-    torch.distributed.destroy_process_group()
+    finish_distributed()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from conftest import compat_teardown_abort
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -58,7 +59,7 @@ def torchrun(*args: str, restarts: int = 0) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+def finish(proc: subprocess.Popen, timeout: float, rerun: bool = True) -> tuple[int, str]:
     """Wait for a torchrun started above; kill its whole process group and fail if it outlives `timeout`."""
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -66,6 +67,10 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"torchrun hung for more than {timeout} s:\n{out[-3000:]}")
+    if rerun and proc.returncode != 0 and compat_teardown_abort(out):  # the known torch 2.14 exit-time abort
+        again = subprocess.Popen(proc.args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, start_new_session=True)
+        return finish(again, timeout, rerun=False)
     return proc.returncode, out
 
 
