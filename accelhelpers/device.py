@@ -104,14 +104,21 @@ def sync(device: torch.device | str) -> None:
         xm.wait_device_ops()
 
 
-def profile() -> str:
-    """The run profile: ACCEL_PROFILE if set, else 'full' with an accelerator and 'quick' without."""
-    value = os.environ.get("ACCEL_PROFILE", "").strip().lower()
+def choose_profile(asked: str | None = None) -> str:
+    """The run profile: `asked` (a notebook's PROFILE parameter) if given, else ACCEL_PROFILE if set, else
+    'full' with an accelerator and 'quick' without."""
+    value, origin = (asked, "PROFILE") if asked is not None else (os.environ.get("ACCEL_PROFILE", ""), "ACCEL_PROFILE")
+    value = str(value).strip().lower()
     if value:
         if value not in PROFILES:
-            raise ValueError(f"ACCEL_PROFILE={value!r} is not a profile: choose one of {', '.join(PROFILES)}")
+            raise ValueError(f"{origin}={value!r} is not a profile: choose one of {', '.join(PROFILES)}")
         return value
     return "quick" if available_devices()[0] == "cpu" else "full"
+
+
+def profile() -> str:
+    """The run profile from the environment: ACCEL_PROFILE if set, else 'full' with an accelerator."""
+    return choose_profile(None)
 
 
 def _cpu_info() -> tuple[str, list[str]]:

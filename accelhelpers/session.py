@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .device import best_device, format_report, hardware_report, profile
+from .device import best_device, choose_profile, format_report, hardware_report
 from .results import set_chapter
 
 T = TypeVar("T")
@@ -49,14 +49,25 @@ class Setup:
         """True in the quick (CPU, minutes) profile."""
         return self.profile == "quick"
 
+    def pick(self, value: T | None, quick: T, full: T) -> T:
+        """`value` when a parameter set it (papermill `-p`), else the profile's default: `quick` or `full`."""
+        if value is not None:
+            return value
+        return quick if self.quick else full
 
-def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True) -> Setup:
-    """Start a chapter: seed, pick the device (announcing a CPU fallback), print the hardware report."""
+
+def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True,
+          profile: str | None = None) -> Setup:
+    """Start a chapter: seed, pick the device (announcing a CPU fallback), print the hardware report.
+
+    `profile` ('quick' or 'full') comes from the notebook's `PROFILE` parameter; None means ACCEL_PROFILE,
+    else 'quick' on a CPU and 'full' on an accelerator."""
     set_chapter(chapter)
     seed_everything(seed)
     dev = best_device(device)
-    prof = profile()
+    prof = choose_profile(profile)
     report = hardware_report()
+    report["profile"] = prof
     if verbose:
         print(format_report(report))
         if dev.type == "cpu":
