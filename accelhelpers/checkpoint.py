@@ -221,20 +221,46 @@ def latest_good_checkpoint(folder: str | Path, exclude: Iterable[str | Path] = (
     return None
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None, scaler: Any = None, *, fallback: bool = True, restore_rng: bool = True,
-                    map_location: str | torch.device = "cpu") -> int:
-    """Restore model, optimizer, scheduler, scaler and RNG states from `path` and return the saved step; a bad
-    file raises CheckpointError, or with `fallback` warns and loads the newest good one in the same folder."""
-    path = Path(path)
+FALLBACKS = ("damaged", "always", "never")
+
+
+def _listing(folder: Path) -> str:
+    """One line naming the checkpoint files in `folder`, for an error about a path that is not there."""
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".")
+                   and p.is_file()) if folder.is_dir() else []
+    if not names:
+        return f"no checkpoint in {folder} yet"
+    return (f"checkpoints in {folder}: {', '.join(names)} (pass one of them, or fallback='always' to load the "
+            "newest good one)")
+
+
+def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.device) -> tuple[Path, dict[str, Any]]:
+    """Read `path`; a damaged file (or, with fallback='always', a missing one) gives the newest good checkpoint
+    in the same folder instead, with a CheckpointWarning naming the file loaded."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be one of {', '.join(map(repr, FALLBACKS))}, got {fallback!r}")
+    missing = not path.exists()
     try:
-        state = read_checkpoint(path, map_location)
+        return path, read_checkpoint(path, map_location)
     except CheckpointError as e:
-        other = latest_good_checkpoint(path.parent, exclude=[path]) if fallback and not path.is_dir() else None
+        error = CheckpointError(f"{e}; {_listing(path.parent)}") if missing else e
+        if fallback == "never" or path.is_dir() or (missing and fallback != "always"):
+            raise error from e
+        other = latest_good_checkpoint(path.parent, exclude=[path])
         if other is None:
-            raise CheckpointError(f"{e}" + ("; no other good checkpoint in that folder" if fallback else "")) from e
-        warnings.warn(f"{e}; loading {other} instead", CheckpointWarning, stacklevel=2)
-        path, state = other, read_checkpoint(other, map_location)
+            raise CheckpointError(f"{e}; no other good checkpoint in {path.parent}") from e
+        state = read_checkpoint(other, map_location)
+        warnings.warn(f"{e}; loaded {other} (step {state['step']}) instead", CheckpointWarning, stacklevel=3)
+        return other, state
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any = None, scaler: Any = None, *, fallback: str = "damaged", restore_rng: bool = True,
+                    map_location: str | torch.device = "cpu") -> int:
+    """Restore model, optimizer, scheduler, scaler and RNG states from `path` and return the saved step. A missing
+    file is an error listing the checkpoints there; a damaged one loads the newest good one in the same folder with
+    a warning naming it (fallback='never' raises instead, fallback='always' also replaces a missing file)."""
+    path, state = _read_or_fall_back(Path(path), fallback, map_location)
     for name, obj in (("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
         if obj is not None and state[name] is None:
             raise CheckpointError(f"checkpoint {path} holds no {name} state: pass {name}=None or save it with one")

@@ -215,9 +215,10 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_good_one_is_used(tmp_pat
     with pytest.raises(ck.CheckpointError, match=re.escape(str(bad))):
         ck.read_checkpoint(bad)
     with pytest.raises(ck.CheckpointError, match=re.escape(str(bad))):
-        ck.load_checkpoint(bad, model, fallback=False)
+        ck.load_checkpoint(bad, model, fallback="never")
     older = ck.checkpoint_path(tmp_path, 1)
-    with pytest.warns(ck.CheckpointWarning, match=rf"{re.escape(str(bad))}.*loading {re.escape(str(older))} instead"):
+    loaded = rf"{re.escape(str(bad))}.*; loaded {re.escape(str(older))} \(step 1\) instead"
+    with pytest.warns(ck.CheckpointWarning, match=loaded):
         assert ck.load_checkpoint(bad, model) == 1
     assert same(model.state_dict(), good)
     assert ck.latest_good_checkpoint(tmp_path) == ck.checkpoint_path(tmp_path, 1)
@@ -226,15 +227,31 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_good_one_is_used(tmp_pat
         ck.load_checkpoint(bad, model)
 
 
-def test_a_missing_file_falls_back_or_says_so(tmp_path):
+def test_a_missing_file_is_an_error_listing_the_checkpoints_that_exist(tmp_path):
+    """A wrong path never loads another file silently: one line names the files there; fallback='always' asks."""
     model = nn.Linear(2, 2)
-    with pytest.raises(ck.CheckpointError, match="does not exist"):
+    with pytest.raises(ck.CheckpointError, match=r"nope.pt does not exist; no checkpoint in .* yet"):
         ck.load_checkpoint(tmp_path / "nope.pt", model)
-    ck.save_checkpoint(tmp_path / "old.pt", model, step=4)
-    with pytest.warns(ck.CheckpointWarning):
-        assert ck.load_checkpoint(tmp_path / "nope.pt", model) == 4
+    ck.save_checkpoint(tmp_path / "old.pt", model, step=3)
+    ck.save_checkpoint(ck.checkpoint_path(tmp_path, 4), model, step=4)
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1)
+    changed = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.load_checkpoint(tmp_path / "nope.pt", model)
+    assert "\n" not in str(e.value)
+    assert re.search(r"nope.pt does not exist; checkpoints in .*: old.pt, step_00000004.pt \(pass one of them",
+                     str(e.value))
+    assert same(model.state_dict(), changed)  # nothing was loaded
+    with pytest.warns(ck.CheckpointWarning, match=r"nope.pt does not exist.*; loaded .*step_00000004.pt \(step 4\)"):
+        assert ck.load_checkpoint(tmp_path / "nope.pt", model, fallback="always") == 4
+    assert same(model.state_dict(), before)
     with pytest.raises(ck.CheckpointError, match="is a folder"):
         ck.load_checkpoint(tmp_path, model)
+    with pytest.raises(ValueError, match=r"fallback must be one of 'damaged', 'always', 'never', got True"):
+        ck.load_checkpoint(tmp_path / "old.pt", model, fallback=True)
 
 
 class _Evil:
