@@ -20,8 +20,7 @@ course: venv
 	$(BIN)/python -m accelhelpers course run --profile quick
 
 test: venv lint browser
-	ACCEL_PROFILE=quick TQDM_DISABLE=1 $(BIN)/python -m pytest tests notebooks --nbval --nbval-current-env \
-		--nbval-sanitize-with tests/nbval_sanitize.cfg
+	$(BIN)/python -m pytest tests notebooks --nbval
 
 # The unit tests against the newer torch of requirements-compat.txt, in .venv-compat, without torch_xla:
 # Colab ships a newer torch than our pins, and the helpers must work there too. Every other pin is the same.

@@ -23,7 +23,7 @@ from .results import record, results_dir, save_figure
 from .session import Setup, progress, seed_everything, setup
 from .timing import Timing, benchmark, fraction_of_peak, measure_peaks, mlp_flops
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "DeviceUnavailable", "Setup", "Split", "Timing", "available_devices", "benchmark", "best_device",
     "count_params", "digits", "format_report", "fraction_of_peak", "hardware_report", "in_colab",

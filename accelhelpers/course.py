@@ -9,11 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .device import PROFILES, format_report, hardware_report
 from .results import _atomic_write_text, load_results, repo_root
 
 # The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
 REPO_URL = "https://github.com/accel-course/accel-course"
+# The release the notebooks' Colab/Kaggle setup cells install: the tag of this package version, so a notebook
+# opened from its badge gets the helpers it was written with, not whatever main holds that day.
+RELEASE = f"v{__version__}"
+# Folders of recorded evidence that a run must never write into (results/ and the course runs committed there).
+RECORDED = ("results",)
 
 TITLES = {
     "01": "Your hardware, and timing it honestly",
@@ -84,6 +90,10 @@ def _check_out(out: Path) -> None:
     target = out.resolve()
     root = repo_root(Path(__file__).parent)
     protected = [root / name for name in ("accelhelpers", "notebooks", "tests", ".ci", ".git")] if root else []
+    recorded = [root / name for name in RECORDED] if root else []
+    if any(target == p.resolve() or p.resolve() in target.parents for p in recorded):
+        raise CourseError(f"--out {out} is inside results/, the recorded runs: a run never writes over recorded "
+                          "evidence. Use build/ (the default) or a new folder outside the checkout")
     if (root is not None and target == root.resolve()) \
             or any(target == p.resolve() or p.resolve() in target.parents for p in protected) \
             or (target / "notebooks").resolve() == notebooks_dir().resolve():
@@ -106,7 +116,8 @@ def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
     status: dict[str, Any] = {"chapter": key, "notebook": nb.name, "ok": True, "error": None}
     try:
         pm.execute_notebook(str(nb), str(out / "notebooks" / nb.name), cwd=str(nb.parent),
-                            progress_bar=False, log_output=False, kernel_name="python3")
+                            parameters={"PROFILE": profile}, progress_bar=False, log_output=False,
+                            kernel_name="python3")
     except Exception as e:  # a failing chapter is reported, the others still run
         status["ok"] = False
         status["error"] = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"

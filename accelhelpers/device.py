@@ -6,6 +6,7 @@ import importlib.util
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,20 +22,48 @@ class DeviceUnavailable(RuntimeError):
 
 
 def in_colab() -> bool:
-    """True when running inside Google Colab (its kernel module is importable)."""
-    return "google.colab" in sys.modules or importlib.util.find_spec("google.colab") is not None
+    """True inside Google Colab: its kernel has imported `google.colab` before the first cell runs.
+
+    Never raises: `importlib.util.find_spec("google.colab")` raises ModuleNotFoundError wherever no `google`
+    package is installed, so only the already-imported module is looked at."""
+    return "google.colab" in sys.modules
+
+
+def in_kaggle() -> bool:
+    """True inside a Kaggle notebook (Kaggle's kernels set KAGGLE_KERNEL_RUN_TYPE)."""
+    return "KAGGLE_KERNEL_RUN_TYPE" in os.environ
 
 
 def xla_installed() -> bool:
     """True when torch_xla can be imported (without importing it: that is slow and grabs devices)."""
-    return importlib.util.find_spec("torch_xla") is not None
+    try:
+        return importlib.util.find_spec("torch_xla") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# torch_xla finds TPU chips on the PCI bus: Google's vendor id and one device id per TPU generation
+# (torch_xla/_internal/tpu.py, `num_available_chips`; tests/test_device.py keeps this list equal to it).
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")
+
+
+def tpu_chips(pci_root: str | os.PathLike = "/sys/bus/pci/devices") -> int:
+    """TPU chips attached to this host, counted on the PCI bus the way torch_xla counts them."""
+    chips = 0
+    for vendor in Path(pci_root).glob("*/vendor"):
+        try:
+            if vendor.read_text().strip() == GOOGLE_PCI_VENDOR and \
+                    (vendor.parent / "device").read_text().strip() in TPU_PCI_DEVICES:
+                chips += 1
+        except OSError:
+            continue
+    return chips
 
 
 def tpu_present() -> bool:
-    """True when this looks like a TPU host (Colab/Kaggle set TPU_NAME, COLAB_TPU_ADDR or PJRT_DEVICE=TPU)."""
-    env = os.environ
-    return bool(env.get("COLAB_TPU_ADDR") or env.get("TPU_NAME") or env.get("PJRT_DEVICE") == "TPU"
-                or os.path.exists("/dev/accel0") or os.path.exists("/dev/vfio/0"))
+    """True on a TPU host: TPU chips on the PCI bus (v2 to v6e alike), or PJRT_DEVICE=TPU set by the user."""
+    return os.environ.get("PJRT_DEVICE", "").upper().startswith("TPU") or tpu_chips() > 0
 
 
 def available_devices() -> list[str]:
@@ -104,16 +133,17 @@ def sync(device: torch.device | str) -> None:
         xm.wait_device_ops()
 
 
-def choose_profile(asked: str | None = None) -> str:
+def choose_profile(asked: str | None = None, device_kind: str | None = None) -> str:
     """The run profile: `asked` (a notebook's PROFILE parameter) if given, else ACCEL_PROFILE if set, else
-    'full' with an accelerator and 'quick' without."""
+    'full' on an accelerator and 'quick' on the CPU (`device_kind`: the device the chapter runs on; None: the
+    best one here)."""
     value, origin = (asked, "PROFILE") if asked is not None else (os.environ.get("ACCEL_PROFILE", ""), "ACCEL_PROFILE")
     value = str(value).strip().lower()
     if value:
         if value not in PROFILES:
             raise ValueError(f"{origin}={value!r} is not a profile: choose one of {', '.join(PROFILES)}")
         return value
-    return "quick" if available_devices()[0] == "cpu" else "full"
+    return "quick" if (device_kind or available_devices()[0]) == "cpu" else "full"
 
 
 def profile() -> str:
@@ -154,12 +184,13 @@ def hardware_report() -> dict[str, Any]:
         "cuda_build": torch.version.cuda, "platform": f"{platform.system()} {platform.machine()}",
         "cpu": model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
-        "torch_xla": None, "colab": in_colab(), "devices": available_devices(),
+        "torch_xla": None, "colab": in_colab(), "kaggle": in_kaggle(), "devices": available_devices(),
     }
     if xla_installed():
         from importlib.metadata import version
 
         report["torch_xla"] = version("torch_xla")
+        report["tpu_chips"] = tpu_chips()
     if torch.cuda.is_available():
         report.update(_gpu_info())
     report["best_device"] = report["devices"][0]

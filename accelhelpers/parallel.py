@@ -47,6 +47,22 @@ class Run:
     seconds: float
 
 
+def rank_device(nproc: int | None = None) -> str:
+    """'cuda' when each of `nproc` ranks (default: WORLD_SIZE) can have a GPU of its own, else 'cpu'.
+
+    nccl refuses two ranks on one GPU ("Duplicate GPU detected"), so with fewer GPUs than ranks (one Colab GPU,
+    two ranks) the ranks run on the CPU with gloo; ACCEL_DEVICE=cpu asks for the CPU on any machine."""
+    n = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if os.environ.get("ACCEL_DEVICE", "").lower().startswith("cpu"):
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= n else "cpu"
+
+
+def rank_env(nproc: int) -> dict[str, str]:
+    """Environment for `nproc` launched ranks: the GPUs hidden when they cannot have one each (see rank_device)."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if rank_device(nproc) == "cpu" and torch.cuda.is_available() else {}
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now (for a rendezvous endpoint)."""
     with socket.socket() as s:
@@ -124,7 +140,7 @@ def launch(cmd: list[str], timeout_s: float = 120.0, echo: bool = True, check: b
 def torchrun(worker: str, *args: str, nproc: int = 2, timeout_s: float = 120.0, echo: bool = True,
              check: bool = True) -> Run:
     """Launch a worker of this module with `torchrun --standalone --nproc-per-node=nproc` and stream its logs."""
-    return launch(torchrun_cmd(worker, *args, nproc=nproc), timeout_s, echo, check)
+    return launch(torchrun_cmd(worker, *args, nproc=nproc), timeout_s, echo, check, env=rank_env(nproc))
 
 
 def two_nodes(worker: str, *args: str, nproc: int = 1, timeout_s: float = 120.0) -> list[Run]:
@@ -390,7 +406,7 @@ def fastai_train(out: Path, epochs: int, batch: int, lr: float, patch: bool) -> 
     learn = Learner(dls, mlp([40, 128, 128, 10]), loss_func=nn.CrossEntropyLoss(), metrics=fa_accuracy)
     try:
         # accelerate treats a GPU-less process as not distributed unless told cpu=True (then it uses gloo)
-        with learn.distrib_ctx(cpu=not torch.cuda.is_available()), learn.no_bar():
+        with learn.distrib_ctx(cpu=rank_device(world) == "cpu"), learn.no_bar():
             learn.fit(epochs, lr)
     except Exception as e:
         if rank == 0:
@@ -411,7 +427,7 @@ def accelerate_worker(out: str, tag: str) -> None:
     """Training function for accelerate's launchers: prepare, train a few steps, report the processes it saw."""
     from accelerate import Accelerator
 
-    acc = Accelerator(cpu=not torch.cuda.is_available())
+    acc = Accelerator(cpu=rank_device() == "cpu")
     x, y = toy_data(8, 16)
     model = toy_model()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))

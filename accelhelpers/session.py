@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .device import best_device, choose_profile, format_report, hardware_report
+from .device import available_devices, best_device, choose_profile, format_report, hardware_report
 from .results import set_chapter
 
 T = TypeVar("T")
@@ -57,22 +58,49 @@ class Setup:
 
 
 def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True,
-          profile: str | None = None) -> Setup:
+          profile: str | None = None, supports: tuple[str, ...] = ("cuda", "mps", "cpu")) -> Setup:
     """Start a chapter: seed, pick the device (announcing a CPU fallback), print the hardware report.
 
     `profile` ('quick' or 'full') comes from the notebook's `PROFILE` parameter; None means ACCEL_PROFILE,
-    else 'quick' on a CPU and 'full' on an accelerator."""
+    else 'quick' on a CPU and 'full' on an accelerator. `supports`: the device kinds the chapter is written
+    for; on a host whose best device is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
     set_chapter(chapter)
     seed_everything(seed)
-    dev = best_device(device)
-    prof = choose_profile(profile)
+    note, best = None, available_devices()[0]
+    if device is None and not os.environ.get("ACCEL_DEVICE") and best not in supports:
+        note = (f"This host's best device is {best}, but chapter {chapter} is written for "
+                f"{', '.join(supports)}: it runs on the CPU here (chapter 07 is the TPU/XLA chapter).")
+        dev = torch.device("cpu")
+    else:
+        dev = best_device(device)
+    prof = choose_profile(profile, dev.type)
     report = hardware_report()
     report["profile"] = prof
     if verbose:
         print(format_report(report))
+        if note:
+            print("\n" + note)
         if dev.type == "cpu":
-            print("\nNo GPU or TPU found: running on the CPU. Every cell still runs; sizes follow the "
-                  f"'{prof}' profile (set ACCEL_PROFILE=full for the original sizes).")
+            print(f"\nRunning on the CPU{'' if note else ' (no GPU or TPU found)'}. Every cell still runs; sizes "
+                  f"follow the '{prof}' profile (PROFILE = 'full' or ACCEL_PROFILE=full for the original sizes).")
         else:
             print(f"\nUsing {dev} with the '{prof}' profile.")
     return Setup(chapter, dev, prof, report)
+
+
+def fit_budget(units: int, seconds_per_unit: float, what: str, limit_s: float | None = None) -> int:
+    """How many of `units` (epochs, steps, runs) fit in the time budget, announced: prints the projected time
+    from a measured `seconds_per_unit` and scales down, saying so, where the whole would exceed `limit_s`
+    (default: ACCEL_BUDGET_S, else 600 s). A long job never starts without its length shown first."""
+    if units < 1 or not seconds_per_unit > 0:
+        raise ValueError(f"need units >= 1 and seconds_per_unit > 0, got {units} and {seconds_per_unit}")
+    limit = float(limit_s if limit_s is not None else os.environ.get("ACCEL_BUDGET_S", 600))
+    projected = units * seconds_per_unit
+    if projected <= limit:
+        print(f"{what}: {units:,} x {seconds_per_unit * 1e3:.3g} ms = {projected:.0f} s projected, within the "
+              f"{limit:.0f} s budget")
+        return units
+    fit = max(1, int(limit / seconds_per_unit))
+    print(f"{what}: {units:,} would take {projected / 60:.1f} min (measured {seconds_per_unit * 1e3:.3g} ms each), "
+          f"over the {limit:.0f} s budget: running {fit:,} instead (set ACCEL_BUDGET_S to change the budget)")
+    return fit

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from .device import tpu_present, xla_installed
 
 INSTALL_FIX = "pip install torch=={v} 'torch_xla[tpu]=={v}'"
+# torch_xla's newest release (each one is built against exactly the torch release of the same number).
+NEWEST_XLA = "2.9.0"
 
 
 def base_version(v: str) -> str:
@@ -31,13 +33,18 @@ def base_version(v: str) -> str:
     return v.split("+")[0].strip()
 
 
-def version_fix(torch_version: str, xla_version: str | None) -> str | None:
-    """None when torch and torch_xla are the same release; else the pip command that makes them match.
+def version_fix(torch_version: str, xla_version: str | None, on_tpu: bool | None = None) -> str | None:
+    """None when torch and torch_xla are the same release; else what to do, with the pip command if one helps.
 
     torch_xla is built against one exact torch release; any other gives `_XLAC... undefined symbol` on import.
-    """
+    Without torch_xla: on a TPU host, install the newest torch_xla with its torch; elsewhere (a Colab GPU
+    runtime, say) the TPU build is the wrong thing to install, so say where chapter 07 runs instead."""
     if xla_version is None:
-        return INSTALL_FIX.format(v=base_version(torch_version)) + "   # torch_xla is not installed"
+        if on_tpu if on_tpu is not None else tpu_present():
+            return INSTALL_FIX.format(v=NEWEST_XLA) + "   # torch_xla is not installed; then restart the runtime"
+        return ("torch_xla is not installed. On Colab choose Runtime > Change runtime type > TPU (torch_xla comes "
+                f"preinstalled); on a Linux x86_64 CPU machine: pip install torch=={NEWEST_XLA} "
+                f"torch_xla=={NEWEST_XLA} (its newest release; it needs exactly that torch)")
     if base_version(torch_version) == base_version(xla_version):
         return None
     return INSTALL_FIX.format(v=base_version(xla_version)) + "   # then restart the runtime"
@@ -53,8 +60,13 @@ def installed_versions() -> tuple[str, str | None]:
 
 
 def choose_pjrt_device() -> str:
-    """'TPU' on a TPU host, else 'CPU' (XLA's CPU device); an explicit PJRT_DEVICE always wins."""
-    return os.environ.get("PJRT_DEVICE") or ("TPU" if tpu_present() else "CPU")
+    """'TPU' on a TPU host, else 'CPU' (XLA's CPU device); an explicit PJRT_DEVICE always wins, and
+    ACCEL_DEVICE=cpu (set by the notebook tests on every machine) keeps XLA on its CPU device."""
+    if os.environ.get("PJRT_DEVICE"):
+        return os.environ["PJRT_DEVICE"]
+    if os.environ.get("ACCEL_DEVICE", "").lower().startswith("cpu"):
+        return "CPU"
+    return "TPU" if tpu_present() else "CPU"
 
 
 def runtime_started() -> bool:
@@ -71,6 +83,8 @@ def use_xla(debug_file: str | Path | None = None, debug_level: int = 1, verbose:
     `debug_file` (PT_XLA_DEBUG_LEVEL), then import torch_xla and return its device."""
     torch_v, xla_v = installed_versions()
     fix = version_fix(torch_v, xla_v)
+    if fix and xla_v is None:
+        raise RuntimeError(fix)
     if fix:
         raise RuntimeError(f"torch {torch_v} and torch_xla {xla_v} do not match (importing torch_xla would fail "
                            f"with '_XLAC... undefined symbol'). Fix:\n    {fix}")
@@ -228,7 +242,7 @@ def launch_demo(devices: int = 2, all_reduce: bool = False, timeout: float = 60.
     if devices < 1:
         raise ValueError("launch_demo needs devices >= 1")
     if not xla_installed():
-        raise RuntimeError("torch_xla is not installed: " + INSTALL_FIX.format(v=base_version(torch.__version__)))
+        raise RuntimeError(version_fix(torch.__version__, None))
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}
     for key in ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE"):
         env.pop(key, None)

@@ -6,12 +6,14 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 import types
 from pathlib import Path
 
 import pytest
 
-from accelhelpers.course import REPO_URL
+import accelhelpers as ah
+from accelhelpers.course import RELEASE, REPO_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -34,40 +36,86 @@ def test_badge_points_at_this_notebook_in_the_one_repository(nb):
     assert badges == [f"{SLUG}/blob/main/notebooks/{nb.name}"]
 
 
-@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_setup_cell_installs_the_helpers_only_on_colab(nb, monkeypatch):
+EXTRAS = {"08": "course,deploy"}  # every other chapter installs the `course` extra
+
+
+def _install_part(nb):
     src = _setup_source(nb)
-    colab_part = src[: src.index("import accelhelpers as ah")]
-    assert f"git+{REPO_URL}" in colab_part
+    return src[: src.index("import accelhelpers as ah")]
+
+
+def _installs(nb, monkeypatch, **env):
     calls = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
-    exec(colab_part, {})  # not on Colab: nothing is installed
-    assert calls == []
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    exec(_install_part(nb), {})
+    return calls
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_setup_cell_installs_the_release_only_on_colab_and_kaggle(nb, monkeypatch):
+    monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
+    assert _installs(nb, monkeypatch) == []  # neither Colab nor Kaggle: nothing is installed
     fake = types.ModuleType("google.colab")
     fake.__spec__ = importlib.machinery.ModuleSpec("google.colab", None)
-    monkeypatch.setitem(sys.modules, "google", types.ModuleType("google"))
-    monkeypatch.setitem(sys.modules, "google.colab", fake)
-    exec(colab_part, {})
-    assert len(calls) == 1
-    cmd = calls[0]
-    assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
-    assert f"accelhelpers @ git+{REPO_URL}" in cmd
-    assert not any(re.match(r"torch\b", arg) for arg in cmd), "the setup cell must never reinstall torch"
+    monkeypatch.setitem(sys.modules, "google.colab", fake)  # Colab's kernel has imported it before any cell
+    on_colab = _installs(nb, monkeypatch)
+    monkeypatch.delitem(sys.modules, "google.colab")
+    on_kaggle = _installs(nb, monkeypatch, KAGGLE_KERNEL_RUN_TYPE="Interactive")
+    extras = EXTRAS.get(nb.name[:2], "course")
+    for calls in (on_colab, on_kaggle):
+        assert len(calls) == 1
+        cmd = calls[0]
+        assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
+        assert f"accelhelpers[{extras}] @ git+{REPO_URL}@{RELEASE}" in cmd
+        assert not any(re.match(r"torch\b", arg) for arg in cmd), "the setup cell must never reinstall torch"
 
 
-def test_colab_extras_are_our_pins_and_none_of_them_brings_torch(monkeypatch):
-    """Chapter 08 installs its deployment tools on Colab (Colab has none of them): the versions must be the
-    pinned ones, and none of them may depend on torch (pip would replace Colab's build)."""
+def test_release_is_this_package_version():
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert RELEASE == f"v{version}" and ah.__version__ == version
+
+
+def _pins(path):
+    return {line.split("==")[0].lower(): line.split("==")[1].split(";")[0].split("+")[0].strip()
+            for line in path.read_text().splitlines() if "==" in line and not line.startswith("#")}
+
+
+def test_extras_admit_our_pins_and_colabs_versions_and_none_brings_torch():
+    """An extra installed on Colab must not replace what Colab ships (its torch above all), and our pinned
+    environment must satisfy the same ranges."""
     from importlib.metadata import requires
 
-    pins = dict(line.split(";")[0].strip().split("==") for line in (ROOT / "requirements.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
-    for nb in NOTEBOOKS:
-        src = _setup_source(nb)
-        extras = re.findall(r'"([A-Za-z0-9_.-]+)==([^"]+)"', src)
-        for name, ver in extras:
-            assert pins.get(name) == ver, f"{nb.name}: {name}=={ver} on Colab, requirements.txt: {pins.get(name)}"
-            deps = [re.split(r"[ ;<>=!~\[]", r)[0].lower() for r in (requires(name) or []) if "extra ==" not in r]
-            assert "torch" not in deps, f"{name} depends on torch"
-        if nb.name.startswith("08_"):
-            assert {n for n, _ in extras} == {"onnx", "onnxscript", "onnxruntime", "hls4ml"}
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    ours = _pins(ROOT / "requirements.txt")
+    colab = {kind: _pins(ROOT / "tests" / "colab" / f"pip-freeze.{kind}.txt") for kind in ("gpu", "tpu")}
+    for name in ("course", "deploy"):
+        for line in extras[name]:
+            req = Requirement(line)
+            key = req.name.lower()
+            assert ours.get(key) in req.specifier, f"[{name}] {line}: requirements.txt pins {ours.get(key)}"
+            for kind, pins in colab.items():
+                if key in pins:
+                    assert pins[key] in req.specifier, f"[{name}] {line} would replace Colab {kind}'s {pins[key]}"
+            deps = [Requirement(r).name.lower() for r in (requires(req.name) or []) if "extra ==" not in r]
+            assert "torch" not in deps or key in {"fastai", "accelerate"}, f"{req.name} depends on torch"
+
+
+def test_deploy_extra_keeps_colabs_protobuf():
+    """onnx 1.23 needs protobuf >= 6.31.1; Colab's GPU image pins 5.29.6 (grpcio-status there needs < 6)."""
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    onnx = next(Requirement(r) for r in extras["deploy"] if r.startswith("onnx>") or r.startswith("onnx="))
+    assert "1.23.2" not in onnx.specifier and _pins(ROOT / "requirements.txt")["onnx"] in onnx.specifier
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_colab_opens_each_chapter_on_its_accelerator(nb):
+    meta = json.loads(nb.read_text())["metadata"]
+    assert meta["accelerator"] == ("TPU" if nb.name.startswith("07_") else "GPU")
+    assert "colab" in meta

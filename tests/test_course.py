@@ -99,3 +99,66 @@ def test_headline_values_read_as_a_learner_reads_them():
     rows = course.headlines(results)
     assert [(k, v) for k, _, v, _ in rows] == [("02", "12.3×"), ("02", "55.7 %")]
     assert course._fmt_unit(213.03, "GFLOP/s") == "213 GFLOP/s" and course._fmt_unit(True, "bool") == "True bool"
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_parameters_cell_holds_literal_defaults_only(nb):
+    """papermill can set any parameter: `PROFILE = None` and sizes, each a literal (None: from the profile)."""
+    import ast
+
+    cells = [c for c in nbformat.read(nb, as_version=4).cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{nb.name}: exactly one cell tagged 'parameters'"
+    tree = ast.parse(cells[0].source)
+    names = []
+    for stmt in tree.body:
+        assert isinstance(stmt, ast.Assign), f"{nb.name}: only assignments in the parameters cell"
+        ast.literal_eval(stmt.value)  # raises on anything that is not a literal
+        names += [t.id for target in stmt.targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    assert names[0] == "PROFILE" and ast.literal_eval(tree.body[0].value) is None
+    following = nbformat.read(nb, as_version=4).cells
+    after = following[following.index(cells[0]) + 1].source
+    assert f'ah.setup("{nb.name[:2]}", profile=PROFILE' in after
+
+
+def test_papermill_parameters_take_effect_in_a_real_chapter(tmp_path):
+    """`papermill … -p PROFILE quick -y 'MATMUL_SIZES: [16, 32]'`: the run times exactly the sizes it was given."""
+    out = tmp_path / "01.ipynb"
+    r = subprocess.run([sys.executable, "-m", "papermill", str(ROOT / "notebooks" / "01_hardware_and_timing.ipynb"),
+                        str(out), "-p", "PROFILE", "quick", "-y", "MATMUL_SIZES: [16, 32]", "--cwd",
+                        str(ROOT / "notebooks"), "--no-progress-bar"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "ACCEL_RESULTS_DIR": str(tmp_path / "results"),
+                            "ACCEL_BUILD": str(tmp_path / "build")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    texts = ["".join(o.get("text", "")) for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"
+             for o in c.get("outputs", [])]
+    rows = [line for t in texts for line in t.splitlines() if line.startswith("n=") and "GFLOP/s" in line]
+    assert [line.split(":")[0].split("=")[1].strip() for line in rows] == ["16", "32"]
+    assert any("'quick' profile" in t for t in texts)
+
+
+def test_course_run_passes_the_profile_as_a_parameter(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("PROFILE = None")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        "import accelhelpers as ah\nS = ah.setup('01', profile=PROFILE, verbose=False)\n"
+        "ah.record('full_profile', float(PROFILE == 'full' and S.profile == 'full'), '', 'from the parameter')")]
+    nbformat.write(nb, nbs / "01_params.ipynb")
+    out = tmp_path / "build"
+    r = cli("course", "run", "--profile", "full", "--out", str(out), "--no-report",
+            env={"ACCEL_NOTEBOOKS": str(nbs), "ACCEL_PROFILE": "quick"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads((out / "results" / "01.json").read_text())[0]["value"] == 1.0
+
+
+def test_course_run_never_writes_into_recorded_results(tmp_path):
+    for target in (ROOT / "results", ROOT / "results" / "new_run"):
+        r = cli("course", "run", "--only", "1", "--out", str(target))
+        assert r.returncode == 2 and "recorded evidence" in r.stderr, r.stderr
+    assert not (ROOT / "results" / "new_run").exists()

@@ -1,5 +1,8 @@
 """device: best device, hardware report, sync, profile, Colab detection."""
 
+import json
+import os
+import subprocess
 import sys
 import types
 
@@ -67,6 +70,87 @@ def test_colab_detection(monkeypatch):
     assert ah.in_colab() is False
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     assert dev.in_colab() is True
+
+
+def test_colab_detection_never_raises_without_a_google_package(tmp_path):
+    """`python -m accelhelpers env` in an environment with no `google` package at all (protobuf provides one here,
+    so the subprocess blocks it): find_spec("google.colab") used to raise ModuleNotFoundError."""
+    block = tmp_path / "sitecustomize.py"
+    block.write_text("import sys\nclass _Block:\n    def find_spec(self, name, path=None, target=None):\n"
+                     "        if name == 'google' or name.startswith('google.'):\n"
+                     "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                     "sys.meta_path.insert(0, _Block())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "accelhelpers", "env", "--json"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["colab"] is False
+
+
+def test_kaggle_detection(monkeypatch):
+    monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
+    assert dev.in_kaggle() is False
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
+    assert dev.in_kaggle() is True
+
+
+def _fake_pci(root, devices):
+    for i, (vendor, device) in enumerate(devices):
+        d = root / f"0000:00:{i:02x}.0"
+        d.mkdir(parents=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "device").write_text(device + "\n")
+    return root
+
+
+def test_tpu_chips_are_counted_on_the_pci_bus_like_torch_xla(tmp_path):
+    """v5e/v6e hosts expose /dev/vfio/<N> with N other than 0; the PCI bus is what torch_xla reads."""
+    root = _fake_pci(tmp_path, [("0x1ae0", "0x0063"), ("0x1ae0", "0x006f"), ("0x10de", "0x2330"),
+                                ("0x1ae0", "0x0001")])
+    assert dev.tpu_chips(root) == 2
+    assert dev.tpu_chips(tmp_path / "missing") == 0
+
+
+def test_tpu_pci_ids_are_torch_xlas():
+    pytest.importorskip("torch_xla")
+    if os.environ.get("ACCEL_COMPAT"):
+        pytest.skip("the compat environment has no torch_xla")
+    import torch_xla._internal.tpu as tpu
+
+    assert dev.GOOGLE_PCI_VENDOR == tpu._GOOGLE_PCI_VENDOR_ID
+    assert set(dev.TPU_PCI_DEVICES) == set(tpu._TPU_PCI_DEVICE_IDS)
+
+
+def test_on_a_tpu_host_a_chapter_not_written_for_xla_runs_on_the_cpu_and_says_so(monkeypatch, capsys):
+    import accelhelpers.session as session
+
+    for module in (dev, session):  # the hardware this test stands for: a TPU host with torch_xla installed
+        monkeypatch.setattr(module, "available_devices", lambda: ["xla", "cpu"])
+    monkeypatch.delenv("ACCEL_PROFILE", raising=False)
+    monkeypatch.delenv("ACCEL_DEVICE", raising=False)
+    s = ah.setup("04")
+    assert s.device.type == "cpu" and s.profile == "quick"
+    assert "written for cuda, mps, cpu: it runs on the CPU here" in capsys.readouterr().out
+
+
+def test_profile_parameter_and_pick(monkeypatch):
+    monkeypatch.delenv("ACCEL_PROFILE", raising=False)
+    s = ah.setup("01", profile="full", verbose=False)
+    assert s.profile == "full" and s.pick(None, quick=1, full=2) == 2 and s.pick(5, quick=1, full=2) == 5
+    assert ah.setup("01", profile=None, verbose=False).pick(None, quick=1, full=2) == 1  # CPU here: quick
+    with pytest.raises(ValueError, match="PROFILE='fast' is not a profile: choose one of quick, full"):
+        ah.setup("01", profile="fast", verbose=False)
+
+
+def test_fit_budget_announces_and_scales_down(capsys):
+    from accelhelpers.session import fit_budget
+
+    assert fit_budget(1000, 0.01, "epochs", limit_s=600) == 1000
+    assert "within the 600 s budget" in capsys.readouterr().out
+    assert fit_budget(1_100_000, 0.002, "model-epochs", limit_s=600) == 300_000
+    assert "over the 600 s budget: running 300,000 instead" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="units >= 1"):
+        fit_budget(0, 0.1, "epochs")
 
 
 def test_tpu_detection_reads_the_environment(monkeypatch):

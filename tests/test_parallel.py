@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compat_teardown_abort
 from torch import nn
 
 from accelhelpers import parallel as P
+from conftest import compat_teardown_abort
 
 TIMEOUT = 150  # seconds for any launch here; they run concurrently on a possibly busy 2-core machine
 
@@ -250,3 +250,25 @@ def test_mnist1d_loader_splits_the_data_between_ranks(group1):
     loader.sampler.set_epoch(1)
     assert len(first) == len(data.x_train) and list(loader.sampler) != first
 
+
+
+def test_ranks_use_gpus_only_with_one_gpu_each(monkeypatch):
+    """nccl refuses two ranks on one GPU ("Duplicate GPU detected"): one Colab GPU and two ranks means CPU ranks
+    with gloo and the GPU hidden from them. (The GPU counts are faked: this machine has none.)"""
+    monkeypatch.delenv("ACCEL_DEVICE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert P.rank_device(2) == "cpu" and P.rank_env(2) == {"CUDA_VISIBLE_DEVICES": ""}
+    assert P.rank_device(1) == "cuda" and P.rank_env(1) == {}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert P.rank_device(2) == "cuda"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert P.rank_device() == "cpu"  # inside a launched rank: WORLD_SIZE ranks
+    monkeypatch.setenv("ACCEL_DEVICE", "cpu")
+    assert P.rank_device(1) == "cpu"
+
+
+def test_no_gpu_means_cpu_ranks_and_nothing_hidden(monkeypatch):
+    monkeypatch.delenv("ACCEL_DEVICE", raising=False)
+    if not torch.cuda.is_available():
+        assert P.rank_device(2) == "cpu" and P.rank_env(2) == {}

@@ -5,6 +5,7 @@ PJRT_DEVICE=CPU; they are skipped where torch_xla is not installed."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ def xdev():
 
 # --- versions and device choice (no runtime needed) ---
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def test_base_version_strips_local_tag():
     assert xla.base_version("2.9.0+cu128") == "2.9.0"
     assert xla.base_version("2.9.0") == "2.9.0"
@@ -39,8 +43,22 @@ def test_version_fix_none_when_matching():
 def test_version_fix_gives_matching_pip_command():
     fix = xla.version_fix("2.9.0+cu128", "2.8.0")
     assert fix.startswith("pip install torch==2.8.0 'torch_xla[tpu]==2.8.0'")
-    missing = xla.version_fix("2.9.0+cu128", None)
-    assert "torch==2.9.0" in missing and "not installed" in missing
+    on_tpu = xla.version_fix("2.9.0+cu128", None, on_tpu=True)
+    assert on_tpu.startswith(f"pip install torch=={xla.NEWEST_XLA} 'torch_xla[tpu]=={xla.NEWEST_XLA}'")
+
+
+def test_without_torch_xla_on_a_gpu_runtime_no_impossible_install_is_advised():
+    """Colab's GPU runtime (torch 2.11, no torch_xla): never advise torch_xla 2.11 (no such release) nor a TPU build."""
+    advice = xla.version_fix("2.11.0+cu130", None, on_tpu=False)
+    assert "2.11" not in advice and "[tpu]" not in advice
+    assert "TPU" in advice and f"torch_xla=={xla.NEWEST_XLA}" in advice
+    on_tpu = xla.version_fix("2.11.0+cu130", None, on_tpu=True)
+    assert "2.11" not in on_tpu and f"torch_xla[tpu]=={xla.NEWEST_XLA}" in on_tpu
+
+
+def test_newest_xla_is_the_pinned_one():
+    pins = (ROOT / "requirements.txt").read_text()
+    assert f"torch-xla=={xla.NEWEST_XLA};" in pins
 
 
 def test_installed_versions_reads_metadata():
@@ -56,7 +74,10 @@ def test_choose_pjrt_device(monkeypatch):
     monkeypatch.setattr(xla, "tpu_present", lambda: False)
     assert xla.choose_pjrt_device() == "CPU"
     monkeypatch.setattr(xla, "tpu_present", lambda: True)
+    monkeypatch.delenv("ACCEL_DEVICE", raising=False)
     assert xla.choose_pjrt_device() == "TPU"
+    monkeypatch.setenv("ACCEL_DEVICE", "cpu")  # the notebook tests compare the CPU run, on a TPU host too
+    assert xla.choose_pjrt_device() == "CPU"
     monkeypatch.setenv("PJRT_DEVICE", "CUDA")
     assert xla.choose_pjrt_device() == "CUDA"  # an explicit choice wins
 

@@ -1,0 +1,9 @@
+"""pytest on any machine: the notebooks are compared (nbval) with their committed outputs of a quick CPU run, so
+every kernel that nbval starts inherits a quick profile on the CPU, on a laptop, a GPU machine or a TPU host alike.
+Plain `pytest --nbval notebooks/` needs no other flag (pyproject.toml adds the sanitizer and the environment)."""
+
+import os
+
+os.environ["ACCEL_PROFILE"] = "quick"
+os.environ["ACCEL_DEVICE"] = "cpu"
+os.environ.setdefault("TQDM_DISABLE", "1")  # progress bars are not outputs to compare
