@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv course test test-compat lab notebooks bench lint clean
+.PHONY: venv course test test-compat test-colab device-check lab notebooks bench lint clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,19 @@ $(COMPAT)/.installed: requirements.txt requirements-compat.txt pyproject.toml
 test-compat: $(COMPAT)/.installed
 	ACCEL_PROFILE=quick ACCEL_COMPAT=1 TQDM_DISABLE=1 $(COMPAT)/bin/python -m pytest tests -p no:cacheprovider \
 		--ignore=tests/test_browser.py
+
+# The course under Colab's own package sets (tests/colab/: the GPU and the TPU image), installed the way the
+# chapters' setup cells install it, every chapter executed top to bottom (quick profile, CPU; XLA's CPU device).
+test-colab: venv
+	$(BIN)/python tests/colab/check.py gpu
+	$(BIN)/python tests/colab/check.py tpu
+
+# One command for an accelerator machine (<= 8 min on a GPU): hardware report, bench fullbatch and every chapter
+# that can use the accelerator, recorded under results/device-check_<hardware>_<date>/. CI runs it on the CPU
+# without recording (DEVICE_CHECK_FLAGS=).
+DEVICE_CHECK_FLAGS ?= --record
+device-check: venv
+	$(BIN)/python -m accelhelpers course device-check $(DEVICE_CHECK_FLAGS)
 
 # Headless Chromium for tests/test_browser.py: Debian's package (never a browser download). Installed when
 # missing and we are root with apt-get (as in CI); elsewhere a note, and the browser tests skip.

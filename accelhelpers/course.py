@@ -327,3 +327,58 @@ def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
                          + "</table></details>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+# --- the device check: one command that says what an accelerator machine achieved -----------------------------------
+
+# Chapters whose code uses a GPU when there is one; chapter 07 needs XLA (it joins on a TPU host).
+GPU_CHAPTERS = ("01", "02", "03", "04", "05", "06", "08", "09")
+
+
+def hardware_slug(hw: dict[str, Any]) -> str:
+    """A folder-name label for the hardware, e.g. 'gpu-nvidia-h200' or 'cpu-2core-amd-epyc'."""
+    if hw.get("gpu"):
+        name, kind = str(hw["gpu"]), "gpu"
+    elif hw.get("best_device") == "xla":
+        name, kind = f"{hw.get('tpu_chips', '')}chip", "tpu"
+    else:
+        words = str(hw.get("cpu", "cpu")).replace("(R)", "").replace("(TM)", "").split()
+        name, kind = f"{hw.get('cpu_cores', '?')}core " + " ".join(words[:2]), "cpu"
+    slug = "-".join("".join(ch if ch.isalnum() else " " for ch in name.lower()).split())
+    return f"{kind}-{slug}"
+
+
+def device_check(out: Path | None = None, record: bool = False, only: str | None = None) -> Path:
+    """The hardware report, `bench fullbatch` and every chapter that can use this machine's accelerator (quick
+    profile) into `out` (default build/device-check); with `record`, copied into results/device-check_<hardware>_
+    <date>/, refusing a folder that already exists (recorded evidence is never overwritten)."""
+    import shutil
+    import subprocess
+    import sys
+
+    out = Path(out) if out else default_out() / "device-check"
+    hw = hardware_report()
+    target = results_root() / f"device-check_{hardware_slug(hw)}_{time.strftime('%Y-%m-%d')}"
+    if record and target.exists():
+        raise CourseError(f"{target} already holds a recorded device check: move it away or run without --record")
+    keys = only or ",".join(k for k in chapters() if k in GPU_CHAPTERS or (k == "07" and hw["best_device"] == "xla"))
+    check_args("quick", keys, out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(out / "hardware.json", json.dumps(hw, indent=1))
+    print(format_report(hw), flush=True)
+    bench = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--json",
+                            str(out / "bench_fullbatch.json")], text=True)
+    statuses = run("quick", keys, out)
+    report(out)
+    if record:
+        shutil.copytree(out, target, ignore=shutil.ignore_patterns("notebooks", "ch0*", "*.onnx", "*.pt"))
+        print(f"recorded: {target}")
+    failed = [s["chapter"] for s in statuses if not s["ok"]] + (["bench"] if bench.returncode else [])
+    if failed:
+        raise CourseError(f"the device check ran, but these parts failed: {', '.join(failed)} (see {out})")
+    return target if record else out
+
+
+def results_root() -> Path:
+    """results/ in the checkout: recorded runs, each under its hardware and date."""
+    return (repo_root() or repo_root(Path(__file__).parent) or Path.cwd()) / "results"

@@ -1,0 +1,141 @@
+"""`make test-colab`: the course under Colab's own package sets, installed the way the notebooks install it.
+
+For the GPU image and the TPU image (pip-freeze.{gpu,tpu}.txt beside this file) this script
+1. makes a virtual environment with the packages Colab ships that the course uses, at Colab's versions;
+2. installs the course exactly as the chapters' setup cells do (`accelhelpers[course,deploy] @ git+<repo>@<ref>`),
+   with the repository URL pointed at this checkout's committed HEAD, under Colab's versions as constraints:
+   an extra that would replace one of Colab's packages (protobuf, say) makes the install fail;
+3. checks that Colab's torch and protobuf are still the ones installed;
+4. runs every chapter top to bottom with the course runner (papermill, quick profile, XLA's CPU device on the
+   TPU image). On the GPU image, which has no torch_xla, chapter 07 must stop at its first XLA cell with
+   advice that exists (a TPU runtime), and every other chapter must pass.
+
+Colab runs Python 3.13; this runs the machine's Python (3.11 here), so what only 3.13 would show is not caught.
+Usage: python tests/colab/check.py gpu|tpu [--only 01,02]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+# What each image ships that the course imports (or that pins what it imports), at the image's versions.
+SHIPPED = ["torch", "torchvision", "fastai", "fastcore", "fastprogress", "accelerate", "protobuf", "numpy",
+           "matplotlib", "scikit-learn", "scipy", "pandas", "tqdm", "ipywidgets", "ipykernel", "pillow"]
+EXTRA_SHIPPED = {"gpu": ["grpcio-status"], "tpu": ["torch-xla"]}  # grpcio-status pins protobuf < 6 on the GPU image
+RUNNER = ["papermill==2.7.0"]  # not on Colab: the runner that executes the notebooks here
+
+
+def colab_pins(kind: str) -> dict[str, str]:
+    """{package: version} of Colab's image, local build tags (+cu128, +cpu) dropped."""
+    pins = {}
+    for line in (HERE / f"pip-freeze.{kind}.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            pins[name.strip().lower()] = version.split("+")[0].strip()
+    return pins
+
+
+def setup_requirement() -> str:
+    """The requirement the chapters' setup cells install (chapter 08's, the widest), checked to be the same
+    URL and ref in every chapter by tests/test_colab.py."""
+    nb = json.loads(next((ROOT / "notebooks").glob("08_*.ipynb")).read_text())
+    src = "".join(nb["cells"][1]["source"])
+    return re.search(r'"(accelhelpers\[[^"]+\] @ git\+[^"]+)"', src).group(1)
+
+
+def local_requirement(req: str) -> str:
+    """The same requirement with the GitHub URL and release replaced by this checkout's committed HEAD."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    name = req.split(" @ ")[0]
+    return f"{name} @ git+file://{ROOT}@{head}"
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def make_env(kind: str) -> Path:
+    env_dir = ROOT / f".venv-colab-{kind}"
+    py = env_dir / "bin" / "python"
+    pins = colab_pins(kind)
+    shipped = [f"{p}=={pins[p]}" for p in SHIPPED + EXTRA_SHIPPED[kind] if p in pins]
+    stamp = env_dir / ".installed"
+    want = "\n".join(shipped + [subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip()])
+    if stamp.exists() and stamp.read_text() == want:
+        return py
+    if not py.exists():
+        venv.create(env_dir, with_pip=True)
+    build = ROOT / "build"
+    build.mkdir(exist_ok=True)
+    constraints = build / f"colab-{kind}-constraints.txt"
+    # Colab's torch is a +cu128 build from PyTorch's index; PyPI's has other CUDA libraries (it runs on the CPU
+    # here either way), so the CUDA runtime packages are left to torch's own requirements.
+    kept = {p: v for p, v in pins.items() if not p.startswith(("nvidia-", "cuda-"))}
+    constraints.write_text("\n".join(f"{p}=={v}" for p, v in sorted(kept.items())) + "\n")
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run(pip + shipped + RUNNER + ["-c", str(constraints)])  # the image, as Colab ships it
+    # the course, as the setup cells install it, with Colab's versions as constraints
+    run(pip + [local_requirement(setup_requirement()), "-c", str(constraints)])
+    stamp.write_text(want)
+    return py
+
+
+def check_kept(py: Path, kind: str) -> None:
+    """Colab's torch and protobuf must be the ones installed after the course's install."""
+    pins = colab_pins(kind)
+    for name in ("torch", "protobuf"):
+        got = subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version('{name}'))"],
+                             capture_output=True, text=True, check=True).stdout.strip().split("+")[0]
+        assert got == pins[name], f"the course's install replaced Colab's {name} {pins[name]} with {got}"
+        print(f"kept Colab's {name} {got}")
+
+
+def run_chapters(py: Path, kind: str, only: str | None) -> int:
+    out = ROOT / "build" / f"colab-{kind}"
+    env = {**os.environ, "ACCEL_DEVICE": "cpu", "PJRT_DEVICE": "CPU", "TQDM_DISABLE": "1",
+           "PYTHONPATH": ""}  # the installed course, not the checkout's folder
+    cmd = [str(py), "-m", "accelhelpers", "course", "run", "--profile", "quick", "--out", str(out), "--no-report"]
+    r = subprocess.run(cmd + (["--only", only] if only else []), cwd=ROOT, env=env, text=True,
+                       capture_output=True)
+    print(r.stdout + r.stderr)
+    chapters = json.loads((out / "run.json").read_text())["chapters"]
+    failures = []
+    for key, st in chapters.items():
+        if kind == "gpu" and key == "07":
+            ok = not st["ok"] and "Change runtime type > TPU" in str(st["error"])
+            print(f"07 on the GPU image (no torch_xla): {'stops with the TPU-runtime advice' if ok else st}")
+        else:
+            ok = st["ok"]
+        if not ok:
+            failures.append(f"{key}: {st['error']}")
+    print(f"colab-{kind}: {len(chapters) - len(failures)} of {len(chapters)} chapters as expected "
+          f"({sum(s['seconds'] for s in chapters.values()):.0f} s)")
+    for f in failures:
+        print("FAILED", f, file=sys.stderr)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kind", choices=["gpu", "tpu"])
+    p.add_argument("--only", default=None)
+    args = p.parse_args()
+    py = make_env(args.kind)
+    check_kept(py, args.kind)
+    return run_chapters(py, args.kind, args.only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
