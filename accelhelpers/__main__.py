@@ -1,4 +1,4 @@
-"""Command line: `python -m accelhelpers env | bench fullbatch | course run | course report`."""
+"""Command line: `python -m accelhelpers env | bench fullbatch | reproduce udlbook-20.2 | course run | report`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,20 @@ def _parser() -> argparse.ArgumentParser:
     fb.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     fb.add_argument("--models", type=int, default=None, help="models in the many-models row (default 8)")
 
+    rp = sub.add_parser("reproduce", help="run a published experiment in full, resumable (udlbook-20.2)")
+    rp.add_argument("experiment", choices=["udlbook-20.2"], help="udlbook-20.2: figure 20.2, four depths")
+    rp.add_argument("--out", type=Path, default=Path("build/udlbook-20.2"), help="output folder (default: %(default)s)")
+    rp.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    rp.add_argument("--jobs", type=int, default=1, help="worker processes, one thread each (default 1: this one)")
+    rp.add_argument("--threads", type=int, default=None,
+                    help="torch threads per process (default: torch's, 1 with --jobs)")
+    rp.add_argument("--depths", default=None, help="comma-separated depths to train here (default 1,2,3,4)")
+    rp.add_argument("--epochs-scale", type=float, default=1.0, help="fraction of udlbook's epochs (tests, demos)")
+    rp.add_argument("--test-every", type=int, default=100, help="measure the test error every k epochs (default 100)")
+    rp.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between checkpoints (default 180)")
+    rp.add_argument("--no-compile", action="store_true", help="run the fast path's functions eagerly (tests)")
+    rp.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
     course = sub.add_parser("course", help="run the course and report")
     csub = course.add_subparsers(dest="action", required=True)
     run = csub.add_parser("run", help="execute the chapters with papermill into build/")
@@ -30,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default=None, help="comma-separated chapter numbers, e.g. 01,03")
     run.add_argument("--out", type=Path, default=None, help="output folder (default: build/)")
     run.add_argument("--no-report", action="store_true", help="do not write the report afterwards")
+    dc = csub.add_parser("device-check", help="hardware report, bench fullbatch and the chapters that can use "
+                         "this machine's accelerator, in one command")
+    dc.add_argument("--out", type=Path, default=None, help="output folder (default: build/device-check/)")
+    dc.add_argument("--record", action="store_true", help="also copy it into results/device-check_<hardware>_<date>/")
+    dc.add_argument("--only", default=None, help="comma-separated chapter numbers (default: all that can use it)")
     rep = csub.add_parser("report", help="write report.html and report.md from the last run")
     rep.add_argument("--out", type=Path, default=None, help="the run's folder (default: build/)")
     return p
@@ -48,8 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(args)
+        if args.cmd == "reproduce":
+            from .reproduce import main as reproduce_main
+
+            return reproduce_main(args)
         from . import course
 
+        if args.action == "device-check":
+            print(f"device check: {course.device_check(args.out, args.record, args.only)}")
+            return 0
         if args.action == "run":
             statuses = course.run(args.profile, args.only, args.out)
             for s in statuses:

@@ -173,15 +173,27 @@ def _loss_t(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tup
     return (torch.logsumexp(logits_t, 0) - logits_t.gather(0, y[None])[0]).mean(), logits_t
 
 
-def _fullgraph_step(lr: float, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor,
-                    y_test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward, backward (torch.func), SGD update in place and both metrics: one pure function, one graph."""
+def _fullgraph_train_step(lr: float, params: list[torch.Tensor], x: torch.Tensor,
+                          y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, backward (torch.func) and SGD update in place; returns (loss, train error % of this forward)."""
     grads, (loss, logits_t) = torch.func.grad_and_value(_loss_t, has_aux=True)(params, x, y)
     with torch.no_grad():
         for p, g in zip(params, grads):
             p.sub_(lr * g)
-        test_err = error_percent(_mlp_forward_t(params, x_test).T, y_test)
-    return loss.detach(), error_percent(logits_t.detach().T, y), test_err
+    return loss.detach(), error_percent(logits_t.detach().T, y)
+
+
+def _fullgraph_test_err(params: list[torch.Tensor], x_test: torch.Tensor, y_test: torch.Tensor) -> torch.Tensor:
+    """% test error of the MLP given by `params` (a no-grad forward pass)."""
+    with torch.no_grad():
+        return error_percent(_mlp_forward_t(params, x_test).T, y_test)
+
+
+def _fullgraph_step(lr: float, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor,
+                    y_test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward, backward (torch.func), SGD update in place and both metrics: one pure function, one graph."""
+    loss, train_err = _fullgraph_train_step(lr, params, x, y)
+    return loss, train_err, _fullgraph_test_err(params, x_test, y_test)
 
 
 class FullGraphLoop(FullBatchLoop):
@@ -189,23 +201,57 @@ class FullGraphLoop(FullBatchLoop):
     with fullgraph=True. `loss.backward()` and `optimizer.step()` split a compiled step into several graphs
     with Python between them; `torch.func.grad_and_value` puts forward, backward, update and metrics into one.
     The logits are computed transposed ([classes, batch]) so the softmax vectorizes. Same SGD, same model:
-    the weights are updated in place, so `model` holds the trained weights afterwards."""
+    the weights are updated in place, so `model` holds the trained weights afterwards.
 
-    def __init__(self, model: nn.Sequential, data: Split, lr: float = 0.0025) -> None:
+    test_every: measure the test error after every k-th step only (the others record NaN); k = 1 keeps it in
+    the step's graph, k > 1 compiles a training-only step and a separate test pass (udlbook records only the
+    training error, which the step's own forward pass gives for free). compile=False runs the same functions
+    eagerly (for tests)."""
+
+    def __init__(self, model: nn.Sequential, data: Split, lr: float = 0.0025, *, test_every: int = 1,
+                 compile: bool = True) -> None:
         _check(data, 1, lr)
+        if isinstance(test_every, bool) or not isinstance(test_every, int) or test_every < 1:
+            raise ValueError(f"test_every must be an int >= 1, got {test_every!r}")
         linears = _mlp_linears(model, "FullGraphLoop")
         self.model, self.data, self.host_sync, self.fused, self.loader = model, data, False, True, None
+        self.test_every = test_every
         # Detached views share the parameters' storage: updating them in place trains `model` itself.
         self.params = [t.detach() for lin in linears for t in (lin.weight, lin.bias)]
-        _quiet_compiler_logs()
-        mode = None
-        if data.device.type == "cuda":
-            mode = "reduce-overhead"  # CUDA graphs; the weights keep their addresses, so mark them static
-            for p in self.params:
-                torch._dynamo.mark_static_address(p)
         self._step = lambda x, y: _fullgraph_step(lr, self.params, x, y, data.x_test, data.y_test)
-        compiled = torch.compile(partial(_fullgraph_step, lr), fullgraph=True, mode=mode)
-        self.step = lambda x, y: compiled(self.params, x, y, data.x_test, data.y_test)
+        wrap = _compiler(data.device, self.params) if compile else (lambda f: f)
+        if test_every == 1:
+            compiled = wrap(partial(_fullgraph_step, lr))
+            self.step = lambda x, y: compiled(self.params, x, y, data.x_test, data.y_test)
+        else:
+            train_step, test_err = wrap(partial(_fullgraph_train_step, lr)), wrap(_fullgraph_test_err)
+            self.train_step = lambda x, y: train_step(self.params, x, y)
+            self.test_error = lambda: test_err(self.params, data.x_test, data.y_test)
+
+    def run(self, epochs: int, progress: str | bool = False) -> History:
+        """Train for `epochs` full-batch steps; the test error after every `test_every`-th step (NaN elsewhere)."""
+        if self.test_every == 1:
+            return super().run(epochs, progress)
+        _check(self.data, epochs, 1.0)
+        x, y = self.data.x_train, self.data.y_train
+        nan = torch.tensor(float("nan"), device=self.data.device)
+        rows = []
+        for epoch in _progress(range(epochs), progress, unit="epoch"):
+            loss, tr = self.train_step(x, y)
+            rows.append(torch.stack([loss, tr, self.test_error() if (epoch + 1) % self.test_every == 0 else nan]))
+        host = torch.stack(rows, 1).cpu().numpy()
+        return History(host[1], host[2], host[0])
+
+
+def _compiler(device: torch.device, params: list[torch.Tensor]):
+    """torch.compile(fullgraph=True) for the fast path's functions: CUDA graphs on a GPU (weights marked static)."""
+    _quiet_compiler_logs()
+    mode = None
+    if device.type == "cuda":
+        mode = "reduce-overhead"  # CUDA graphs; the weights keep their addresses, so mark them static
+        for p in params:
+            torch._dynamo.mark_static_address(p)
+    return lambda f: torch.compile(f, fullgraph=True, mode=mode)
 
 
 @dataclass

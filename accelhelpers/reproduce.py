@@ -1,0 +1,464 @@
+"""`python -m accelhelpers reproduce udlbook-20.2`: udlbook's figure 20.2 in full, resumable, recorded.
+
+The experiment (Prince, *Understanding Deep Learning*, notebook 20.2): four MLPs with 1-4 hidden layers of
+298/100/75/63 units (about 15 200 parameters each) trained by full-batch SGD (lr 0.0025, batch = all 4000
+MNIST-1D training examples) for 500 000 epochs (1 hidden layer) and 200 000 epochs (2-4 hidden layers).
+
+How it runs: each depth on the fast path (`train.FullGraphLoop`: one compiled graph per step; depth 4's
+hidden widths padded 63 -> 64 with zero units, which changes nothing but speed, see PAD). The training error of
+EVERY epoch comes from the step's own forward pass (before that step's update, as udlbook records it); the
+test error is measured every TEST_EVERY epochs (after that epoch's update). `--jobs N` trains the depths in N
+worker processes of one thread each (a tiny model with 2 threads slows 10-100x when another process loads the
+CPU).
+
+Files in --out:
+  ckpt_depth{d}.pt            atomic checkpoint of one depth (checkpoint.save_checkpoint) every few minutes and
+                              at the end: weights, step, errors so far, seconds, settings
+  progress_depth{d}.json      epochs done, for the --jobs parent's progress bar
+  udlbook-20.2.json           the result (schema below), written last: its presence marks a completed run
+  udlbook-20.2.png            % training error against epoch for the four depths, log x axis
+  udlbook-20.2_wrong.npz      per depth, the number of misclassified training examples at every epoch (uint16)
+
+JSON schema ("accel-course/reproduce-udlbook-20.2/1"): schema, experiment, created, started (ISO times),
+wall_s (first start to end, interruptions included), hardware, settings {lr, batch, test_every, threads,
+compile, jobs, epochs_scale, dataset}, depths: list of {depth, hidden, sizes, params, epochs, seed,
+final_train_err (last epoch, %), final_test_err (after the last update, %), min_train_err, first_zero_epoch
+(first epoch with 0 % training error, or null), train_s (seconds spent training it, all sessions), sessions,
+steps_per_s, curve {epochs, train_err} (a log-spaced grid of 1-based epochs), test {epochs, test_err}}.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint, train
+from .data import Split, mnist1d
+from .device import hardware_report
+from .models import count_params, udl_mlp, udl_sizes
+from .results import _atomic_write_text
+
+EXPERIMENT = "udlbook-20.2"
+SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
+EPOCHS = {1: 500_000, 2: 200_000, 3: 200_000, 4: 200_000}
+LR = 0.0025
+TEST_EVERY = 100
+CHECKPOINT_S = 180.0
+GRID_POINTS = 1500
+# Hidden widths rounded up to a multiple of PAD[d] with zero units (train.pad_mlp: same model, other speed).
+# Measured on 2-core AMD EPYC, 1 thread, medians of 5 interleaved rounds (steps/s): depth 1 (298) unpadded 232
+# vs 304 wide 121; depth 2 (100) 225 vs 189; depth 3 (75) 178 vs 166; depth 4 (63) padded to 64 189 vs 148.
+PAD = {1: 1, 2: 1, 3: 1, 4: 16}
+STEP_COST = {1: 1.0, 2: 1.0, 3: 1.25, 4: 1.2}  # relative seconds per step, same measurement: balances --jobs
+
+
+@dataclass
+class Settings:
+    """How one run trains: what a resumed run must repeat exactly to give the same bits."""
+
+    epochs_scale: float = 1.0
+    test_every: int = TEST_EVERY
+    threads: int | None = None
+    compile: bool = True
+
+    def epochs(self, depth: int) -> int:
+        """udlbook's length for `depth`, scaled (at least 1 epoch)."""
+        return max(1, round(EPOCHS[depth] * self.epochs_scale))
+
+
+def _paths(out: Path) -> dict[str, Path]:
+    """Where the run's outputs go."""
+    return {"json": out / f"{EXPERIMENT}.json", "png": out / f"{EXPERIMENT}.png",
+            "npz": out / f"{EXPERIMENT}_wrong.npz"}
+
+
+def _ckpt(out: Path, depth: int) -> Path:
+    """The checkpoint file of one depth."""
+    return out / f"ckpt_depth{depth}.pt"
+
+
+class _Stop:
+    """SIGINT/SIGTERM set a flag that the loop reads between chunks, so it saves a consistent checkpoint."""
+
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        """Route Ctrl-C and kill (TERM) to the flag (main thread only)."""
+        def handler(signum: int, frame: Any) -> None:
+            cls.requested = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+
+def _lock(out: Path, depth: int) -> Path:
+    """Claim one depth for this process (a pid file); refuse when a live process holds it."""
+    path = out / f".lock_depth{depth}"
+    if path.exists():
+        try:
+            pid = int(path.read_text().strip() or 0)
+        except ValueError:
+            pid = 0
+        if pid and pid != os.getpid() and _alive(pid):
+            raise ValueError(f"depth {depth} in {out} is being trained by process {pid}: wait for it or stop it "
+                             f"(kill -INT {pid}), then --resume")
+    _atomic_write_text(path, str(os.getpid()))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
+    """The saved state of one depth (None if it has not started); refuses one made with other settings."""
+    path = _ckpt(out, depth)
+    if not path.exists():
+        return None
+    st = checkpoint.read_checkpoint(path)
+    saved = st["extra"]["settings"]
+    mine = {"epochs": settings.epochs(depth), "test_every": settings.test_every, "compile": settings.compile,
+            "threads": settings.threads}
+    for key, value in mine.items():
+        if saved[key] != value:
+            flag = {"epochs": "--epochs-scale", "test_every": "--test-every", "compile": "--no-compile",
+                    "threads": "--threads"}[key]
+            raise ValueError(f"depth {depth} in {out} was started with {key}={saved[key]}, not {value}: resume "
+                             f"with the same {flag} (another value changes the arithmetic and so the result)")
+    return st
+
+
+def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any = None,
+                checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any]:
+    """Train (or resume) one depth to its full length, checkpointing every `checkpoint_s`; returns its state."""
+    epochs, k = settings.epochs(depth), settings.test_every
+    model = _model(depth)
+    wrong = torch.zeros(epochs, dtype=torch.int32)
+    test_err = torch.full((epochs // k,), float("nan"))
+    start, spent, sessions, started = 0, 0.0, 0, time.time()
+    st = _state(out, depth, settings)
+    if st is not None:
+        model.load_state_dict(st["model"])
+        ex = st["extra"]
+        start, wrong, test_err = st["step"], ex["wrong"], ex["test_err"]
+        spent, sessions, started = ex["train_s"], ex["sessions"], ex["started"]
+    if bar is not None:
+        bar.update(start)
+    if start >= epochs:
+        return st
+    loop = train.FullGraphLoop(model, data, LR, test_every=max(k, 2), compile=settings.compile)
+    x, y, n = data.x_train, data.y_train, len(data.y_train)
+
+    def save(step: int) -> dict[str, Any]:
+        extra = {"wrong": wrong, "test_err": test_err, "train_s": spent + time.perf_counter() - t0,
+                 "sessions": sessions + 1, "started": started,
+                 "settings": {"epochs": epochs, "test_every": k, "compile": settings.compile,
+                              "threads": settings.threads, "depth": depth}}
+        checkpoint.save_checkpoint(_ckpt(out, depth), model, step=step, extra=extra)
+        return {"step": step, "model": model.state_dict(), "extra": extra}
+
+    t0 = last_save = last_note = time.perf_counter()
+    e = start
+    while e < epochs:
+        end = min(epochs, (e // k + 1) * k)
+        errs = [loop.train_step(x, y)[1] for _ in range(e, end)]
+        wrong[e:end] = torch.round(torch.stack(errs) * (n / 100)).to(torch.int32)
+        if end % k == 0:
+            test_err[end // k - 1] = loop.test_error()
+        if bar is not None:
+            bar.update(end - e)
+        e = end
+        now = time.perf_counter()
+        if now - last_note > 5:
+            _atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": e, "epochs": epochs}))
+            last_note = now
+        if e < epochs and (_Stop.requested or now - last_save > checkpoint_s):
+            save(e)
+            last_save = now
+            if _Stop.requested:
+                raise KeyboardInterrupt
+    final = save(epochs)
+    _atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": epochs, "epochs": epochs}))
+    return final
+
+
+def _model(depth: int) -> torch.nn.Sequential:
+    """udlbook's MLP of this depth, seeded with the depth, padded as PAD says."""
+    return train.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
+
+
+def _grid(epochs: int, points: int = GRID_POINTS) -> np.ndarray:
+    """About `points` log-spaced 1-based epochs from 1 to `epochs` (every epoch where they are dense)."""
+    return np.unique(np.round(np.logspace(0, math.log10(epochs), points)).astype(np.int64).clip(1, epochs))
+
+
+def summarize(depth: int, st: dict[str, Any], data: Split) -> dict[str, Any]:
+    """One depth's JSON entry from its final state."""
+    ex = st["extra"]
+    n = len(data.y_train)
+    err = ex["wrong"].numpy().astype(np.float64) * (100 / n)
+    k, epochs = ex["settings"]["test_every"], ex["settings"]["epochs"]
+    grid = _grid(epochs)
+    zero = np.flatnonzero(ex["wrong"].numpy() == 0)
+    model = _model(depth)
+    model.load_state_dict(st["model"])
+    with torch.no_grad():
+        final_test = float(train.error_percent(model(data.x_test), data.y_test))
+    test = ex["test_err"].numpy()
+    return {"depth": depth, "hidden": udl_sizes(depth)[1], "sizes": udl_sizes(depth),
+            "params": count_params(udl_mlp(depth)), "epochs": epochs, "seed": depth,
+            "final_train_err": round(float(err[-1]), 3), "final_test_err": round(final_test, 3),
+            "min_train_err": round(float(err.min()), 3),
+            "first_zero_epoch": int(zero[0]) + 1 if len(zero) else None,
+            "train_s": round(float(ex["train_s"]), 1), "sessions": int(ex["sessions"]),
+            "steps_per_s": round(epochs / float(ex["train_s"]), 1),
+            "curve": {"epochs": grid.tolist(), "train_err": [round(float(v), 3) for v in err[grid - 1]]},
+            "test": {"epochs": list(range(k, k * len(test) + 1, k)),
+                     "test_err": [round(float(v), 3) for v in test]}}
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write bytes through a temporary file in the same folder and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def figure(result: dict[str, Any], ax: Any = None, label: str | None = None, **style: Any) -> Any:
+    """udlbook figure 20.2's plot: % training error against epoch for each depth, log x axis; returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.5))
+    for i, d in enumerate(result["depths"]):
+        c = d["curve"]
+        ax.plot(c["epochs"], c["train_err"], color=f"C{i}", lw=1.5, **style,
+                label=f"{d['depth']} hidden layer{'s' * (d['depth'] > 1)} ({d['hidden']} units)"
+                + (f", {label}" if label else ""))
+    ax.set_xscale("log")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("% training error")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, settings: Settings,
+                  jobs: int) -> dict[str, Any]:
+    """Write the NPZ, the figure and finally the JSON (which marks the run complete); returns the result."""
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    depths = [summarize(d, states[d], data) for d in sorted(states)]
+    started = min(float(states[d]["extra"]["started"]) for d in states)
+    hw = hardware_report()
+    result = {"schema": SCHEMA, "experiment": EXPERIMENT, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+              "wall_s": round(time.time() - started, 1), "hardware": hw,
+              "settings": {"lr": LR, "batch": len(data.y_train), "test_every": settings.test_every,
+                           "threads": settings.threads, "compile": settings.compile, "jobs": jobs,
+                           "epochs_scale": settings.epochs_scale, "dataset": "MNIST-1D (mnist1d defaults, seed 42)",
+                           "train_err": "every epoch, from the step's own forward pass (before its update)"},
+              "depths": depths}
+    paths = _paths(out)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **{f"depth{d}": states[d]["extra"]["wrong"].numpy().astype(np.uint16) for d in states})
+    _atomic_write_bytes(paths["npz"], buf.getvalue())
+    ax = figure(result)
+    ax.set_title(f"udlbook fig. 20.2 reproduced: full-batch SGD on MNIST-1D\n"
+                 f"{_machine(hw)}, {result['created'][:10]}, wall time {result['wall_s'] / 60:.0f} min", fontsize=9)
+    buf = io.BytesIO()
+    ax.figure.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(ax.figure)
+    _atomic_write_bytes(paths["png"], buf.getvalue())
+    _atomic_write_text(paths["json"], json.dumps(result, indent=1))
+    return result
+
+
+def _machine(hw: dict[str, Any]) -> str:
+    """A short description of where it ran."""
+    return f"{hw.get('cpu') or 'CPU'}, {hw.get('cpu_cores', os.cpu_count())} cores, torch {torch.__version__}"
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """A completed run's JSON (a folder holding udlbook-20.2.json, or the file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = _paths(path)["json"]
+    if not path.exists():
+        raise ValueError(f"no {EXPERIMENT} result at {path}: run `python -m accelhelpers reproduce {EXPERIMENT}`")
+    result = json.loads(path.read_text())
+    if result.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
+    return result
+
+
+def _groups(depths: list[int], jobs: int, settings: Settings) -> list[list[int]]:
+    """Split the depths over `jobs` workers, longest first onto the least loaded (balanced by epochs x STEP_COST)."""
+    groups: list[list[int]] = [[] for _ in range(min(jobs, len(depths)))]
+    load = [0.0] * len(groups)
+    for d in sorted(depths, key=lambda d: -settings.epochs(d) * STEP_COST[d]):
+        i = load.index(min(load))
+        groups[i].append(d)
+        load[i] += settings.epochs(d) * STEP_COST[d]
+    return [sorted(g) for g in groups]
+
+
+def _worker_cmd(out: Path, depths: list[int], settings: Settings, checkpoint_s: float) -> list[str]:
+    """The command line of one worker process."""
+    cmd = [sys.executable, "-m", "accelhelpers", "reproduce", EXPERIMENT, "--out", str(out), "--resume",
+           "--worker", "--depths", ",".join(map(str, depths)), "--threads", str(settings.threads or 1),
+           "--epochs-scale", repr(settings.epochs_scale), "--test-every", str(settings.test_every),
+           "--checkpoint-every", repr(checkpoint_s)]
+    return cmd + ([] if settings.compile else ["--no-compile"])
+
+
+def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, checkpoint_s: float) -> None:
+    """Train the depths in `jobs` worker processes (one thread each) and show one progress bar for all."""
+    env = dict(os.environ, TQDM_DISABLE="1", OMP_NUM_THREADS=str(settings.threads or 1))
+    procs = [subprocess.Popen(_worker_cmd(out, g, settings, checkpoint_s), env=env)
+             for g in _groups(depths, jobs, settings)]
+    bar = _bar(sum(settings.epochs(d) for d in depths), f"{EXPERIMENT} ({len(procs)} processes)")
+    try:
+        while any(p.poll() is None for p in procs):
+            time.sleep(2)
+            bar.update(max(0, sum(_progress_of(out, d) for d in depths) - bar.n))
+            if _Stop.requested:  # a kill or Ctrl-C reached this process: make sure the workers heard it too
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGINT)
+                for p in procs:
+                    p.wait()
+                raise KeyboardInterrupt
+    finally:
+        bar.close()
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:
+        raise ValueError(f"a worker process failed (exit {bad[0]}); its error is printed above; fix it and --resume")
+
+
+def _progress_of(out: Path, depth: int) -> int:
+    """Epochs done by one depth, as its worker last wrote them (0 if unknown)."""
+    try:
+        return int(json.loads((out / f"progress_depth{depth}.json").read_text())["epoch"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def run(out: Path, resume: bool = False, settings: Settings | None = None, depths: list[int] | None = None,
+        jobs: int = 1, worker: bool = False, checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any] | None:
+    """Run (or resume) the whole experiment into `out`; returns the result (None for a worker process)."""
+    settings = settings or Settings()
+    depths = sorted(set(depths or EPOCHS))
+    _check_args(out, resume, settings, depths, jobs, worker)
+    out.mkdir(parents=True, exist_ok=True)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    _Stop.install()
+    if jobs > 1:
+        _run_jobs(out, depths, settings, jobs, checkpoint_s)
+    else:
+        _train_here(out, depths, settings, checkpoint_s)
+    if worker:
+        return None
+    data = mnist1d("cpu")
+    states = {d: _state(out, d, settings) for d in EPOCHS}
+    missing = [d for d, st in states.items() if st is None or st["step"] < settings.epochs(d)]
+    if missing:
+        print(f"depths {missing} are not trained yet in {out}: run them with --resume --depths "
+              f"{','.join(map(str, missing))}", file=sys.stderr)
+        return None
+    return write_outputs(out, states, data, settings, jobs)
+
+
+def _train_here(out: Path, depths: list[int], settings: Settings, checkpoint_s: float) -> None:
+    """Train `depths` one after another in this process, with one progress bar and ETA for all of them."""
+    data = mnist1d("cpu")
+    locks = [_lock(out, d) for d in depths]
+    bar = _bar(sum(settings.epochs(d) for d in depths), f"{EXPERIMENT} depths {','.join(map(str, depths))}")
+    try:
+        for d in depths:
+            train_depth(d, out, data, settings, bar, checkpoint_s)
+    finally:
+        bar.close()
+        for lock in locks:
+            lock.unlink(missing_ok=True)
+
+
+def _bar(total: int, desc: str) -> Any:
+    """A progress bar with an ETA over `total` epochs (tqdm: redrawn every 2 s in a terminal, 30 s in a log file;
+    TQDM_DISABLE=1 silences it)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="epoch", unit_scale=True, mininterval=2 if sys.stderr.isatty() else 30)
+
+
+def _check_args(out: Path, resume: bool, settings: Settings, depths: list[int], jobs: int, worker: bool) -> None:
+    """Refuse settings and output folders that would give a wrong or overwritten run, with what to do."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a folder such as build/udlbook-full")
+    if not worker and _paths(out)["json"].exists():
+        raise ValueError(f"{out} already holds a completed {EXPERIMENT} run: choose another --out or delete it")
+    if not resume and any(_ckpt(out, d).exists() for d in EPOCHS):
+        raise ValueError(f"{out} holds an unfinished run: add --resume to continue it, or choose another --out")
+    if bad := [d for d in depths if d not in EPOCHS]:
+        raise ValueError(f"--depths must be among 1,2,3,4, got {bad}")
+    if not (0 < settings.epochs_scale <= 1):
+        raise ValueError(f"--epochs-scale must be in (0, 1], got {settings.epochs_scale}")
+    if settings.test_every < 1:
+        raise ValueError(f"--test-every must be at least 1, got {settings.test_every}")
+    if settings.threads is not None and settings.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {settings.threads}")
+    if jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+
+
+def main(args: Any) -> int:
+    """CLI entry: run or resume the experiment, print where the outputs are and the final errors."""
+    threads = args.threads if args.threads is not None else (1 if args.jobs > 1 else None)
+    settings = Settings(args.epochs_scale, args.test_every, threads, not args.no_compile)
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else None
+    try:
+        result = run(args.out, args.resume, settings, depths, args.jobs, args.worker, args.checkpoint_every)
+    except KeyboardInterrupt:
+        print(f"interrupted: progress is checkpointed in {args.out}; continue with the same command plus --resume",
+              file=sys.stderr)
+        return 130
+    if result is None:
+        return 0
+    for d in result["depths"]:
+        print(f"depth {d['depth']} ({d['hidden']} units): {d['epochs']} epochs, "
+              f"train error {d['final_train_err']:.2f} %, test error {d['final_test_err']:.2f} %, "
+              f"{d['train_s'] / 60:.1f} min ({d['steps_per_s']:.0f} steps/s)")
+    print(f"wall time {result['wall_s'] / 60:.1f} min; wrote {', '.join(str(p) for p in _paths(args.out).values())}")
+    return 0
