@@ -200,6 +200,24 @@ def _fmt_unit(value: Any, unit: str) -> str:
     return f"{_fmt(value)} {unit}".strip()
 
 
+def _fmt_entry(e: dict[str, Any]) -> str:
+    """A recorded value with its unit and, where recorded, its range over repeats; a ratio whose range crosses
+    1.0 is flagged as no reliable difference."""
+    text = _fmt_unit(e["value"], e["unit"])
+    if e.get("spread"):
+        lo, hi = e["spread"]
+        text += f" (range {_fmt_unit(lo, e['unit'])}–{_fmt_unit(hi, e['unit'])}, {e.get('repeats') or '?'} repeats)"
+        if e["unit"] in ("x", "ratio") and lo <= 1.0 <= hi:
+            text += " — not a reliable difference on this machine"
+    return text
+
+
+def _fmt_value(e: dict[str, Any]) -> str:
+    """A recorded value for the full tables (unit in its own column), with its range where recorded."""
+    lo_hi = f" (range {_fmt(e['spread'][0])}–{_fmt(e['spread'][1])})" if e.get("spread") else ""
+    return _fmt(e["value"]) + lo_hi
+
+
 def headlines(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str, str]]:
     """(chapter, label, formatted value, note) for each headline result that the run recorded."""
     rows = []
@@ -208,8 +226,14 @@ def headlines(results: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, 
         for name, label in picks:
             if name in recorded:
                 e = recorded[name]
-                rows.append((key, label, _fmt_unit(e["value"], e["unit"]), e.get("note", "")))
+                rows.append((key, label, _fmt_entry(e), e.get("note", "")))
     return rows
+
+
+def noisy_chapters(results: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Chapters whose recorded noise check (result 'noise', timing.noise_watch) says the machine was too busy."""
+    return {key: e["note"] for key, entries in results.items() for e in entries
+            if e["name"] == "noise" and str(e.get("note", "")).startswith("TOO NOISY")}
 
 
 def missing_headlines(out: Path | None = None) -> list[str]:
@@ -245,6 +269,8 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
           f"{run_info['finished']}: {len(chs) - len(failed)} of {len(chs)} chapters ran, in {total:.0f} s.\n"]
     if failed:
         md.append("**Failed:** " + ", ".join(f"{k} ({TITLES.get(k, chs[k]['notebook'])})" for k in failed) + "\n")
+    for k, verdict in noisy_chapters(results).items():
+        md.append(f"**Measured under noise, chapter {k}:** {verdict}. Its timings may not be trusted.\n")
     md += ["## Headline results\n", "| chapter | result | value | note |", "|---|---|---|---|"]
     md += [f"| {k} | {label} | {value} | {note} |" for k, label, value, note in headlines(results)]
     md += ["\n## Chapters\n", "| chapter | title | status | seconds |", "|---|---|---|---|"]
@@ -259,7 +285,7 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
         entries = results.get(key, [])
         if entries:
             md += ["| result | value | unit | note |", "|---|---|---|---|"]
-            md += [f"| {e['name']} | {_fmt(e['value'])} | {e['unit']} | {e['note']} |" for e in entries]
+            md += [f"| {e['name']} | {_fmt_value(e)} | {e['unit']} | {e['note']} |" for e in entries]
         elif st["ok"]:
             md.append("No results recorded.")
         for fig in (f for f in figures if f.name.startswith(f"{key}_")):
@@ -305,6 +331,8 @@ def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
             f"<code>{e(str(chs[k]['error']))}</code></li>" for k in failed) + "</ul>"
             "Open the executed notebook in <code>notebooks/</code> beside this report to see the cell that failed."
             "</div>")
+    parts += [f"<div class=failbox><b>Measured under noise, chapter {k}:</b> {e(v)}. Its timings may not be "
+              "trusted.</div>" for k, v in noisy_chapters(results).items()]
     parts.append("<h2>Headline results</h2>" + (
         f"<table id=headline><tr><th>ch.</th><th>result</th><th>value</th><th>note</th></tr>{heads}</table>"
         if heads else "<p>No headline results were recorded.</p>"))
@@ -322,7 +350,7 @@ def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
         if entries:
             parts.append(f"<details><summary>all {len(entries)} recorded results</summary>"
                          "<table><tr><th>result</th><th>value</th><th>unit</th><th>note</th></tr>" + "".join(
-                             f"<tr><td>{e(r['name'])}</td><td class=num>{e(_fmt(r['value']))}</td>"
+                             f"<tr><td>{e(r['name'])}</td><td class=num>{e(_fmt_value(r))}</td>"
                              f"<td>{e(r['unit'])}</td><td>{e(r['note'])}</td></tr>" for r in entries)
                          + "</table></details>")
     parts.append("</body></html>")

@@ -72,14 +72,24 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def record(name: str, value: Any, unit: str = "", note: str = "") -> Any:
-    """Record a named measurement of the current chapter (replacing one of the same name) and return it."""
+def record(name: str, value: Any, unit: str = "", note: str = "", spread: tuple[float, float] | None = None,
+           repeats: int | None = None) -> Any:
+    """Record a named measurement of the current chapter (replacing one of the same name) and return it.
+
+    `spread` (lowest, highest) and `repeats` give the range over interleaved repeats of which `value` is the
+    median (timing.round_ratios); the report shows it and flags a ratio whose range crosses 1.0."""
     if not name:
         raise ValueError("a result needs a name")
+    if spread is not None and not (len(spread) == 2 and spread[0] <= spread[1]):
+        raise ValueError(f"spread must be (lowest, highest), got {spread!r}")
     path = results_dir() / f"{current_chapter()}.json"
     entries = load_chapter(path)
     entries = [e for e in entries if e["name"] != name]
-    entries.append({"name": name, "value": _jsonable(value), "unit": unit, "note": note, "time": time.time()})
+    entry = {"name": name, "value": _jsonable(value), "unit": unit, "note": note, "time": time.time()}
+    if spread is not None:
+        entry["spread"] = [_jsonable(spread[0]), _jsonable(spread[1])]
+        entry["repeats"] = repeats
+    entries.append(entry)
     _atomic_write_text(path, json.dumps(entries, indent=1))
     return value
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +108,67 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device | str
             sync(device)
             times[k].append((time.perf_counter() - t0) / calls[k])
     return {k: Timing(v, calls[k]) for k, v in times.items()}
+
+
+def round_ratios(slow: Timing, fast: Timing) -> tuple[float, float, float]:
+    """Speed-up of `fast` over `slow` from interleaved rounds (one ratio per round): (median, lowest, highest).
+
+    A headline ratio is quoted with its range; a range that crosses 1.0 is no reliable difference."""
+    if len(slow.times) != len(fast.times) or len(slow.times) < 3:
+        raise ValueError(f"need the same number (>= 3) of interleaved rounds for both, got {len(slow.times)} and "
+                         f"{len(fast.times)}: time them together with timing.interleaved(..., rounds=3 or more)")
+    ratios = [a / b for a, b in zip(slow.times, fast.times)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+@dataclass
+class Noise:
+    """How quiet the machine was while a chapter measured: load average and a reference kernel before and after."""
+
+    load: tuple[float, float]
+    reference_s: tuple[float, float]
+    cores: int
+
+    @property
+    def drift(self) -> float:
+        """Relative change of the reference kernel's time between before and after."""
+        return abs(self.reference_s[1] / self.reference_s[0] - 1)
+
+    @property
+    def noisy(self) -> bool:
+        """True when other work loaded the CPU (load average above its cores) or the reference moved by > 25 %."""
+        return max(self.load) > self.cores or self.drift > 0.25
+
+    def verdict(self) -> str:
+        """One line for the chapter and the report."""
+        state = "TOO NOISY to trust small differences" if self.noisy else "quiet enough"
+        ref = f"{self.reference_s[0] * 1e3:.3g} -> {self.reference_s[1] * 1e3:.3g} ms"
+        return (f"{state}: load average {self.load[0]:.1f} -> {self.load[1]:.1f} on {self.cores} cores, reference "
+                f"matmul {ref} ({self.drift:.0%} drift)")
+
+
+def _reference_kernel() -> float:
+    """Median seconds of a fixed 256x256 fp32 matmul on the CPU: the yardstick of the noise check."""
+    a = torch.ones(256, 256)
+    return benchmark(lambda: a @ a, "cpu", repeats=5, min_time=0.02).median
+
+
+@contextmanager
+def noise_watch() -> Iterator[Noise]:
+    """Measure the machine's noise around a block of measurements: `with ah.timing.noise_watch() as noise: ...`,
+    then `noise.verdict()` (the reference kernel and load average are read before and after the block)."""
+    load0, ref0 = _load(), _reference_kernel()
+    noise = Noise((load0, load0), (ref0, ref0), os.cpu_count() or 1)
+    yield noise
+    noise.load, noise.reference_s = (load0, _load()), (ref0, _reference_kernel())
+
+
+def _load() -> float:
+    """One-minute load average (0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:

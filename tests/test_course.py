@@ -162,3 +162,32 @@ def test_course_run_never_writes_into_recorded_results(tmp_path):
         r = cli("course", "run", "--only", "1", "--out", str(target))
         assert r.returncode == 2 and "recorded evidence" in r.stderr, r.stderr
     assert not (ROOT / "results" / "new_run").exists()
+
+
+def test_headlines_show_their_range_and_flag_one_that_crosses_one():
+    from accelhelpers import course
+
+    results = {"06": [{"name": "ddp_speedup_b512", "value": 1.05, "unit": "x", "note": "", "spread": [0.87, 1.31],
+                       "repeats": 5},
+                      {"name": "ddp_comm_share_b64", "value": 0.74, "unit": "fraction", "note": ""}],
+               "02": [{"name": "best_speedup_vs_naive", "value": 12.0, "unit": "x", "note": "", "spread": [9.7, 16.6],
+                       "repeats": 5}]}
+    rows = {label: value for _, label, value, _ in course.headlines(results)}
+    assert rows["2 processes vs 1 (DDP, per-rank batch 512)"] == \
+        "1.05× (range 0.87×–1.31×, 5 repeats) — not a reliable difference on this machine"
+    assert rows["fastest loop vs the naive loop (model-steps/s)"] == "12× (range 9.7×–16.6×, 5 repeats)"
+    assert rows["share of a step in the all-reduce, batch 64"] == "74 %"
+
+
+def test_report_says_when_a_chapter_measured_under_noise(tmp_path):
+    from accelhelpers import course
+
+    out = tmp_path / "build"
+    (out / "results").mkdir(parents=True)
+    (out / "results" / "01.json").write_text(json.dumps([{"name": "noise", "value": 0.6, "unit": "fraction",
+                                                           "note": "TOO NOISY to trust small differences: load 4"}]))
+    (out / "run.json").write_text(json.dumps({"profile": "quick", "finished": "now", "hardware": {}, "chapters": {
+        "01": {"chapter": "01", "notebook": "01_x.ipynb", "ok": True, "error": None, "seconds": 1.0}}}))
+    md, html = course.report(out)
+    assert "Measured under noise, chapter 01:** TOO NOISY" in md.read_text()
+    assert "Measured under noise, chapter 01:</b> TOO NOISY" in html.read_text()

@@ -61,3 +61,39 @@ def test_peaks_are_plausible():
 
 def test_unsynced_time_is_positive():
     assert timing.time_unsynced(lambda: None, calls=3) >= 0
+
+
+def test_round_ratios_are_per_interleaved_round():
+    from accelhelpers.timing import Timing, round_ratios
+
+    slow, fast = Timing([2.0, 3.0, 4.0, 2.0]), Timing([1.0, 1.0, 1.0, 4.0])
+    assert round_ratios(slow, fast) == (2.5, 0.5, 4.0)
+    with pytest.raises(ValueError, match="same number"):
+        round_ratios(Timing([1.0, 1.0]), Timing([1.0, 1.0]))
+
+
+def test_noise_watch_reads_load_and_the_reference_kernel():
+    from accelhelpers.timing import Noise, noise_watch
+
+    with noise_watch() as noise:
+        sum(range(1000))
+    assert noise.reference_s[0] > 0 and noise.reference_s[1] > 0 and noise.cores >= 1
+    assert noise.verdict().startswith(("quiet enough", "TOO NOISY"))
+    busy = Noise(load=(0.1, 3.5), reference_s=(1e-3, 1e-3), cores=2)
+    drifting = Noise(load=(0.1, 0.1), reference_s=(1e-3, 1.5e-3), cores=2)
+    quiet = Noise(load=(0.5, 0.6), reference_s=(1e-3, 1.1e-3), cores=2)
+    assert busy.noisy and drifting.noisy and not quiet.noisy
+    assert "50% drift" in drifting.verdict()
+
+
+def test_record_keeps_the_range(tmp_path, monkeypatch):
+    import json
+
+    import accelhelpers as ah
+
+    ah.results.set_chapter("99")
+    ah.record("ratio", 1.2, "x", "n", spread=(0.9, 1.5), repeats=5)
+    entry = json.loads((ah.results.results_dir() / "99.json").read_text())[0]
+    assert entry["spread"] == [0.9, 1.5] and entry["repeats"] == 5
+    with pytest.raises(ValueError, match="spread must be"):
+        ah.record("bad", 1.0, "x", spread=(2.0, 1.0))
