@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     fb.add_argument("--steps", type=int, default=None, help="timed steps per variant and round (default: by time)")
     fb.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     fb.add_argument("--models", type=int, default=None, help="models in the many-models row (default 8)")
+    fb.add_argument("--rounds", type=int, default=5, help="interleaved rounds; rows report the median (default 5)")
+    fb.add_argument("--round-s", type=float, default=1.0, help="seconds per variant and round (default 1)")
 
     rp = sub.add_parser("reproduce", help="run a published experiment in full, resumable (udlbook-20.2)")
     rp.add_argument("experiment", choices=["udlbook-20.2"], help="udlbook-20.2: figure 20.2, four depths")
@@ -49,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--out", type=Path, default=None, help="output folder (default: build/device-check/)")
     dc.add_argument("--record", action="store_true", help="also copy it into results/device-check_<hardware>_<date>/")
     dc.add_argument("--only", default=None, help="comma-separated chapter numbers (default: all that can use it)")
+    rd = csub.add_parser("readme", help="write the README's results tables from results/")
+    rd.add_argument("--check", action="store_true", help="only check that the README's tables are current")
     rep = csub.add_parser("report", help="write report.html and report.md from the last run")
     rep.add_argument("--out", type=Path, default=None, help="the run's folder (default: build/)")
     return p
@@ -73,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             return reproduce_main(args)
         from . import course
 
+        if args.action == "readme":
+            if course.write_readme(check=args.check):
+                print("README.md: results tables " + ("are current" if args.check else "written from results/"))
+                return 0
+            print("README.md: the results tables differ from results/: run `python -m accelhelpers course readme`",
+                  file=sys.stderr)
+            return 1
         if args.action == "device-check":
             print(f"device check: {course.device_check(args.out, args.record, args.only)}")
             return 0

@@ -166,8 +166,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "01": [("fp32_matmul_peak", "fp32 matmul peak"), ("copy_bandwidth", "memory bandwidth, large copy")],
     "02": [("best_speedup_vs_naive", "fastest loop vs the naive loop (model-steps/s)"),
            ("best_fraction_of_peak", "fastest loop, share of the fp32 matmul peak")],
-    "03": [("epochs_to_target_adam_one_cycle_ours", "epochs to 80 % test accuracy, Adam + one-cycle"),
-           ("epochs_to_target_adam_ours", "epochs to 80 % test accuracy, Adam")],
+    "03": [("epochs_to_target_adam_one_cycle_ours", "epochs to the target test accuracy, Adam + one-cycle"),
+           ("epochs_to_target_adam_ours", "epochs to the target test accuracy, Adam")],
     "04": [("step_speedup_mixed", "mixed-precision training step vs fp32"),
            ("saved_activation_ratio", "activations saved for backward, mixed vs fp32")],
     "05": [("data_wait_share[per-item, workers=0]", "share of a step waiting on data, per-item loading"),
@@ -410,3 +410,91 @@ def device_check(out: Path | None = None, record: bool = False, only: str | None
 def results_root() -> Path:
     """results/ in the checkout: recorded runs, each under its hardware and date."""
     return (repo_root() or repo_root(Path(__file__).parent) or Path.cwd()) / "results"
+
+
+# --- the README's results tables, written from results/ (never typed) ---------------------------------------------
+
+README_BEGIN = "<!-- results:begin (written by `python -m accelhelpers course readme`; do not edit by hand) -->"
+README_END = "<!-- results:end -->"
+
+
+def _ratio(value: float, rng: list[float] | None) -> str:
+    """'12.8×' or '12.8× (9.7–16.6)'."""
+    return f"{value:.3g}×" + (f" ({rng[0]:.3g}–{rng[1]:.3g})" if rng else "")
+
+
+def _bench_table(path: Path) -> list[str]:
+    """The chapter 02 benchmark table from one `bench fullbatch` JSON (schema 1: one figure a row; 2: medians and
+    ranges over interleaved rounds)."""
+    d = json.loads(path.read_text())
+    hw, peak = d["hardware"], d["peak_gflops"]
+    rounds = f"medians of {d['rounds']} interleaved rounds, ranges lowest–highest round" if d.get("rounds") else \
+        "one figure a row (an older run: no ranges)"
+    lines = [f"**Chapter 02, `python -m accelhelpers bench fullbatch`**, {d['created'][:10]}, {_machine(hw)}; "
+             f"{d['workload']['model']}, full batch {d['workload']['batch']}; all rows in one process, {rounds}; "
+             f"JSON: [`{path.relative_to(path.parents[1])}`]({path.relative_to(path.parents[1])})\n",
+             f"| loop | model-steps/s | GFLOP/s | of measured fp32 peak ({peak:.1f} GFLOP/s) | vs naive | "
+             "udlbook's 1.1 M model-epochs |", "|---|---|---|---|---|---|"]
+    for v in d["variants"]:
+        sps = v["model_steps_per_s"]
+        sps_range = v.get("steps_per_s_range")
+        scale = v["n_models"]
+        sps_text = f"{sps:.1f}" + (f" ({sps_range[0] * scale:.1f}–{sps_range[1] * scale:.1f})" if sps_range else "")
+        hours = v["original_experiment_h"]
+        lines.append(f"| {v['name']}: {v['description']} | {sps_text} | {v['gflops']:.1f} | "
+                     f"{v['fraction_of_peak'] * 100:.1f} % | {_ratio(v['speedup_vs_naive'], v.get('speedup_range'))} "
+                     f"| {hours:.1f} h |" if hours >= 1 else
+                     f"| {v['name']}: {v['description']} | {sps_text} | {v['gflops']:.1f} | "
+                     f"{v['fraction_of_peak'] * 100:.1f} % | {_ratio(v['speedup_vs_naive'], v.get('speedup_range'))} "
+                     f"| {hours * 60:.0f} min |")
+    return lines
+
+
+def _run_table(folder: Path, what: str) -> list[str]:
+    """A recorded course run or device check: chapter, seconds, headline results."""
+    run_info = _load_run(folder)
+    results = load_results(folder / "results")
+    heads: dict[str, list[str]] = {}
+    for key, label, value, _ in headlines(results):
+        heads.setdefault(key, []).append(f"{label}: **{value}**")
+    chs = run_info["chapters"]
+    total = sum(st["seconds"] for st in chs.values())
+    lines = [f"**{what}** ({run_info['profile']} profile, finished {run_info['finished']}, "
+             f"{_machine(run_info.get('hardware') or {})}; {total:.0f} s for {len(chs)} chapters; recorded in "
+             f"[`{folder.relative_to(folder.parents[1])}/`]({folder.relative_to(folder.parents[1])}/)):\n",
+             "| chapter | seconds | headline results |", "|---|---|---|"]
+    for key, st in chs.items():
+        status = "; ".join(heads.get(key, [])) if st["ok"] else f"FAILED: {st['error']}"
+        lines.append(f"| {key} {TITLES.get(key, st['notebook'])} | {st['seconds']:.0f} | {status} |")
+    return lines
+
+
+def readme_tables(root: Path | None = None) -> str:
+    """The README's results section body, from the newest recorded runs of each kind under results/."""
+    root = root or results_root()
+    parts: list[list[str]] = []
+    benches = sorted(root.glob("bench_fullbatch_*.json"), key=lambda p: json.loads(p.read_text())["created"])
+    if benches:
+        parts.append(_bench_table(benches[-1]))
+    for pattern, what in (("course_*", "The whole course, `make course`"),
+                          ("device-check_*", "The device check, `make device-check`")):
+        runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()),
+                      key=lambda p: _load_run(p)["finished"])
+        if runs:
+            parts.append(_run_table(runs[-1], what))
+    return "\n\n".join("\n".join(p) for p in parts)
+
+
+def write_readme(readme: Path | None = None, check: bool = False) -> bool:
+    """Write the results tables between the README's markers; with `check`, only say whether they are current."""
+    readme = readme or results_root().parent / "README.md"
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise CourseError(f"{readme} has no results markers: put {README_BEGIN!r} and {README_END!r} where the "
+                          "tables go")
+    head, rest = text.split(README_BEGIN, 1)
+    new = f"{head}{README_BEGIN}\n{readme_tables()}\n{README_END}{rest.split(README_END, 1)[1]}"
+    if check:
+        return new == text
+    _atomic_write_text(readme, new)
+    return True

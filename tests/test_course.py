@@ -191,3 +191,26 @@ def test_report_says_when_a_chapter_measured_under_noise(tmp_path):
     md, html = course.report(out)
     assert "Measured under noise, chapter 01:** TOO NOISY" in md.read_text()
     assert "Measured under noise, chapter 01:</b> TOO NOISY" in html.read_text()
+
+
+def test_readme_tables_are_exactly_what_the_command_writes():
+    """The README's results tables come from results/ (`python -m accelhelpers course readme`), never typed."""
+    from accelhelpers import course
+
+    r = cli("course", "readme", "--check")
+    assert r.returncode == 0, r.stderr
+    block = (ROOT / "README.md").read_text().split(course.README_BEGIN)[1].split(course.README_END)[0]
+    assert block.strip() == course.readme_tables().strip() and "| loop | model-steps/s" in block
+
+
+def test_readme_check_fails_when_a_table_was_edited_by_hand(tmp_path, monkeypatch):
+    from accelhelpers import course
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{course.README_BEGIN}\n| typed | 99× |\n{course.README_END}\nrest\n")
+    assert course.write_readme(readme, check=True) is False
+    assert course.write_readme(readme) is True and course.write_readme(readme, check=True) is True
+    assert readme.read_text().startswith("intro\n") and readme.read_text().endswith("rest\n")
+    readme.write_text("no markers")
+    with pytest.raises(course.CourseError, match="no results markers"):
+        course.write_readme(readme)

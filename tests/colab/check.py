@@ -57,7 +57,7 @@ def local_requirement(req: str) -> str:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     name = req.split(" @ ")[0]
-    return f"{name} @ git+file://{ROOT}@{head}"
+    return f"{name} @ git+file://localhost{ROOT}@{head}"  # pip 23 cannot parse file:/// here
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
