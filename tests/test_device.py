@@ -61,9 +61,10 @@ def test_hardware_report_has_the_facts():
     assert "torch" in text and "best_device" in text
 
 
-def test_sync_is_harmless_on_cpu():
-    ah.sync("cpu")
-    ah.sync(torch.device("cpu"))
+def test_sync_returns_on_cpu_and_refuses_a_non_device():
+    assert ah.sync("cpu") is None and ah.sync(torch.device("cpu")) is None
+    with pytest.raises(ah.DeviceUnavailable, match="is not a device: choose one of cuda, xla, mps, cpu"):
+        ah.sync("tpu")
 
 
 def test_colab_detection(monkeypatch):
