@@ -214,3 +214,21 @@ def test_readme_check_fails_when_a_table_was_edited_by_hand(tmp_path, monkeypatc
     readme.write_text("no markers")
     with pytest.raises(course.CourseError, match="no results markers"):
         course.write_readme(readme)
+
+
+def test_plain_pytest_nbval_compares_the_quick_cpu_run_on_any_machine(tmp_path):
+    """A machine whose environment asks for the full profile on a GPU (as a GPU machine's default would) still
+    compares the committed quick CPU outputs: the root conftest.py sets both for every kernel nbval starts."""
+    probe = ROOT / "build" / "nbval_probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    cell = nbformat.v4.new_code_cell("import os\nprint(os.environ['ACCEL_PROFILE'], os.environ['ACCEL_DEVICE'])")
+    cell.execution_count = 1
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="quick cpu\n")]
+    nb.cells = [cell]
+    nbformat.write(nb, probe / "probe.ipynb")
+    r = subprocess.run([sys.executable, "-m", "pytest", "--nbval", str(probe / "probe.ipynb"), "-q",
+                        "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "ACCEL_PROFILE": "full", "ACCEL_DEVICE": "cuda"})
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
