@@ -11,7 +11,11 @@ from typing import Any
 
 def _parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
+    from . import __version__
+    from .device import PROFILES
+
     p = argparse.ArgumentParser(prog="python -m accelhelpers", description="accel-course helpers")
+    p.add_argument("--version", action="version", version=f"accelhelpers {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     env = sub.add_parser("env", help="print the hardware report")
     env.add_argument("--json", action="store_true", help="print it as JSON")
@@ -42,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     course = sub.add_parser("course", help="run the course and report")
     csub = course.add_subparsers(dest="action", required=True)
     run = csub.add_parser("run", help="execute the chapters with papermill into build/")
-    run.add_argument("--profile", default="quick", help="quick (CPU, minutes) or full (original sizes)")
+    run.add_argument("--profile", default="quick", choices=PROFILES,
+                     help="quick (CPU, minutes) or full (original sizes); default quick")
     run.add_argument("--only", default=None, help="comma-separated chapter numbers, e.g. 01,03")
     run.add_argument("--out", type=Path, default=None, help="output folder (default: build/)")
     run.add_argument("--no-report", action="store_true", help="do not write the report afterwards")
@@ -60,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
+    from .device import DeviceUnavailable
+
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "env":
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {html}\nreport: {md}")
         _note_missing_headlines(course, args.out)
         return 0
-    except ValueError as e:  # bad input: one clear line, exit 2
+    except (ValueError, DeviceUnavailable) as e:  # bad input or a device that is not here: one clear line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

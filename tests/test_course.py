@@ -12,6 +12,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def ah_devices() -> list[str]:
+    from accelhelpers.device import available_devices
+
+    return available_devices()
+
+
 def cli(*args, env=None, cwd=ROOT):
     full = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "accelhelpers", *args], capture_output=True, text=True,
@@ -66,7 +72,14 @@ def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path):
     r = cli("course", "run", "--only", "99", "--out", str(out))
     assert r.returncode == 2 and "no chapter '99': choose from 01" in r.stderr and not out.exists()
     r = cli("course", "run", "--profile", "bogus", "--out", str(out))
-    assert r.returncode == 2 and "choose one of quick, full" in r.stderr and not out.exists()
+    assert r.returncode == 2 and "invalid choice: 'bogus' (choose from 'quick', 'full')" in r.stderr
+    assert not out.exists()
+    r = cli("bench", "fullbatch", "--rounds", "1", env={"ACCEL_DEVICE": "cuda"})
+    if "cuda" not in ah_devices():
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.stderr.strip() == ("error: device 'cuda' is not present on this machine; present here: "
+                                    f"{', '.join(ah_devices())}. Unset ACCEL_DEVICE or pass one of those.")
+    assert cli("--version").stdout.strip().startswith("accelhelpers 0.")
     afile = tmp_path / "file.txt"
     afile.write_text("x")
     r = cli("course", "run", "--out", str(afile))
