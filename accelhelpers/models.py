@@ -63,7 +63,7 @@ def count_params(model: nn.Module) -> int:
 
 
 def cnn1d(n_classes: int = 10, channels: int = 32, length: int = 40) -> nn.Sequential:
-    """A small 1-D CNN for MNIST-1D (input [batch, length] or [batch, 1, length])."""
+    """A small 1-D CNN for MNIST-1D; input [batch, length] (its first layer adds the channel axis)."""
     _check_positive(n_classes=n_classes, channels=channels, length=length)
     model = nn.Sequential(
         nn.Unflatten(1, (1, length)),

@@ -64,3 +64,13 @@ def test_bad_depth_and_sizes():
 def test_cnns_run():
     assert models.cnn1d()(torch.randn(3, 40)).shape == (3, 10)
     assert models.cnn2d()(torch.randn(3, 1, 8, 8)).shape == (3, 10)
+
+
+def test_cnn1d_takes_batch_by_length_as_its_docstring_says():
+    import torch
+
+    from accelhelpers.models import cnn1d
+
+    model = cnn1d(channels=4)
+    assert tuple(model(torch.zeros(3, 40)).shape) == (3, 10)
+    assert "[batch, length]" in cnn1d.__doc__ and "[batch, 1, length]" not in cnn1d.__doc__
