@@ -1,8 +1,10 @@
 """`python -m accelhelpers bench fullbatch`: chapter 02's loops side by side in one process.
 
-JSON schema ("accel-course/bench-fullbatch/1"):
+JSON schema ("accel-course/bench-fullbatch/2"):
   created            ISO date and time of the run
   hardware           the hardware report (accelhelpers.device.hardware_report)
+  load               the 1-minute load average before and after the run (other processes' CPU use)
+  rounds, round_s    interleaved rounds (every variant once per round, in order) and seconds per variant-round
   workload           {"model": "udlbook MLP 4x63", "sizes": [...], "batch": 4000, "lr": 0.0025,
                       "train_flops_per_model_step": int}
   peak_gflops        measured fp32 matmul peak of this device (GFLOP/s; best of one 1024^2 matmul
@@ -10,21 +12,24 @@ JSON schema ("accel-course/bench-fullbatch/1"):
   variants           one object per loop, in ablation order, with
       name, description     short id and what changed
       n_models              models trained by one step
-      steps_per_s           training steps per second, best of the interleaved rounds (one step trains
-                            n_models models)
+      steps_per_s           training steps per second: the MEDIAN over the rounds (one step trains n_models models)
+      steps_per_s_range     [lowest, highest] round
       model_steps_per_s     steps_per_s * n_models
       gflops                model_steps_per_s * train FLOPs per model step / 1e9 (training FLOPs only)
       fraction_of_peak      gflops / peak_gflops
-      speedup_vs_naive      model_steps_per_s / the naive loop's
+      speedup_vs_naive      median over the rounds of (this row / the naive row, same round): a ratio inside one
+                            process, so a burst of load elsewhere hits both sides of it alike
+      speedup_range         [lowest, highest] of those per-round ratios
       original_experiment_h projected hours for udlbook's 1.1 million model-epochs at this rate
       warmup_s              seconds of the untimed warm-up (includes torch.compile's compile time)
-      timed_steps           steps timed over all rounds (--steps per round, or as many as fill about
-                            1.5 s quick / 5 s full per variant in all)
+      timed_steps           steps timed over all rounds (--steps per round, or as many as fill round_s)
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,12 +40,12 @@ import torch
 
 from . import train
 from .data import Split, mnist1d
-from .device import best_device, hardware_report, profile, sync
+from .device import best_device, hardware_report, sync
 from .models import udl_mlp, udl_sizes
 from .results import _atomic_write_text
 from .timing import matmul_gflops, mlp_flops
 
-SCHEMA = "accel-course/bench-fullbatch/1"
+SCHEMA = "accel-course/bench-fullbatch/2"
 ORIGINAL_MODEL_EPOCHS = 3 * 200_000 + 500_000  # udlbook: depths 2-4 for 200k epochs, depth 1 for 500k
 DEPTH, LR = 4, 0.0025
 WARMUP_STEPS = 5
@@ -58,16 +63,18 @@ class Variant:
 
 @dataclass
 class Row:
-    """One measured row of the benchmark table."""
+    """One measured row of the benchmark table (rates are medians over the rounds, with their range)."""
 
     name: str
     description: str
     n_models: int
     steps_per_s: float
+    steps_per_s_range: tuple[float, float]
     model_steps_per_s: float
     gflops: float
     fraction_of_peak: float
     speedup_vs_naive: float
+    speedup_range: tuple[float, float]
     original_experiment_h: float
     warmup_s: float
     timed_steps: int
@@ -90,8 +97,10 @@ def variants(data: Split, n_models: int = 8, compile: bool = True) -> list[Varia
     m = lambda: udl_mlp(DEPTH, seed=0).to(data.device)  # noqa: E731
     loop = train.FullBatchLoop
     rows = [
-        Variant("naive", "DataLoader over TensorDataset (bs 4000), errors into NumPy each epoch", 1,
-                lambda: lambda n: train.naive_fullbatch(m(), data, n, LR)),
+        Variant("naive", "udlbook's loop as written: DataLoader (bs 4000, in order), train error of the step's own "
+                "forward pass into NumPy each epoch", 1, lambda: lambda n: train.udlbook_loop(m(), data, n, LR)),
+        Variant("naive+eval", "naive + shuffle and a full-set and a test forward pass every epoch (common, not "
+                "udlbook's)", 1, lambda: lambda n: train.naive_fullbatch(m(), data, n, LR)),
         Variant("fastai", "fastai Learner.fit, one batch of 4000, SGD", 1, lambda: _fastai_runner(data)),
         Variant("tensors", "device tensors, no DataLoader; still a host sync per epoch", 1,
                 lambda: loop(m(), data, LR, host_sync=True, fused=False).run),
@@ -106,6 +115,8 @@ def variants(data: Split, n_models: int = 8, compile: bool = True) -> list[Varia
                             lambda: loop(train.pad_mlp(m()), data, LR, compile=True).run))
         rows.append(Variant("fullgraph", "+ the step as one graph (torch.func), logits laid out [classes, batch]", 1,
                             lambda: train.FullGraphLoop(train.pad_mlp(m()), data, LR).run))
+        rows.append(Variant("test/100", "+ the test error every 100 epochs, not every step (udlbook measures none)",
+                            1, lambda: train.FullGraphLoop(train.pad_mlp(m()), data, LR, test_every=100).run))
     models = lambda: [train.pad_mlp(udl_mlp(DEPTH, seed=i)) for i in range(n_models)]  # noqa: E731
     rows.append(Variant("many", f"padded, {n_models} models in one step (batched matmuls)", n_models,
                         lambda: train.ManyModelsLoop(models(), data, LR).run))
@@ -114,7 +125,7 @@ def variants(data: Split, n_models: int = 8, compile: bool = True) -> list[Varia
 
 def prepare(variant: Variant, steps: int | None, seconds: float) -> tuple[Callable[[int], object], float, int]:
     """Build one variant and warm it up (this is where torch.compile compiles); return (run, warm-up
-    seconds, steps per timed round): `steps`, or as many as last about `seconds`."""
+    seconds, steps per timed round): `steps`, or as many as last at least `seconds` (calibrated, 20 % margin)."""
     dev = _device()
     t0 = time.perf_counter()
     run = variant.make()
@@ -122,10 +133,14 @@ def prepare(variant: Variant, steps: int | None, seconds: float) -> tuple[Callab
     sync(dev)
     warm = time.perf_counter() - t0
     if steps is None:
-        t0 = time.perf_counter()
-        run(2)
-        sync(dev)
-        steps = int(min(100_000, max(2, seconds * 2 / (time.perf_counter() - t0))))
+        n, took = 2, 0.0
+        while took < 0.2 and n < 100_000:
+            n *= 2
+            t0 = time.perf_counter()
+            run(n)
+            sync(dev)
+            took = time.perf_counter() - t0
+        steps = int(min(1_000_000, max(2, 1.2 * seconds * n / took)))
     return run, warm, steps
 
 
@@ -151,25 +166,29 @@ def _device() -> torch.device:
 
 def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = True,
                   data: Split | None = None, peak_gflops: float | None = None, seconds: float | None = None,
-                  rounds: int = 3, progress: bool = True) -> dict[str, Any]:
-    """Measure every variant in one process and return the JSON-ready result (see the module docstring)."""
+                  rounds: int = 5, progress: bool = True, round_s: float | None = None) -> dict[str, Any]:
+    """Measure every variant in one process, `rounds` interleaved rounds of `round_s` seconds each (default 1 s;
+    or `seconds` per variant in all), and return the JSON-ready result (see the module docstring)."""
     device = _device()
     if steps is not None and steps < 1:
         raise ValueError(f"--steps must be at least 1, got {steps}")
     if n_models < 1:
         raise ValueError(f"--models must be at least 1, got {n_models}")
     if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
-    seconds = seconds or (1.5 if profile() == "quick" else 5.0)
+        raise ValueError(f"--rounds must be at least 1, got {rounds}")
+    if round_s is not None and not round_s > 0:
+        raise ValueError(f"--round-s must be positive, got {round_s}")
+    round_s = round_s or (seconds / rounds if seconds else 1.0)
     data = data if data is not None else mnist1d(device)
     flops = mlp_flops(udl_sizes(DEPTH), len(data.x_train))
     from tqdm.auto import tqdm
 
+    load_before = _load()
     vs = variants(data, n_models, compile)
     prepared = []
     for v in tqdm(vs, desc="bench: warm-up", unit="variant", disable=not progress):
-        prepared.append(prepare(v, steps, seconds / rounds))
-    # Rounds interleave the variants, so a burst of load elsewhere hits all of them alike; keep each best.
+        prepared.append(prepare(v, steps, round_s))
+    # Rounds interleave the variants, so a burst of load elsewhere hits all of them alike.
     rates: list[list[float]] = [[] for _ in vs]
     peaks = [peak_gflops] if peak_gflops else []
     for _ in tqdm(range(rounds), desc="bench: rounds", unit="round", disable=not progress):
@@ -178,29 +197,49 @@ def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = T
         if not peak_gflops:
             peaks.append(matmul_gflops(1024 if device.type == "cpu" else 8192, device, repeats=3))
     peak = max(peaks)
-    rows: list[Row] = []
-    for v, (_, warm, n), r in zip(vs, prepared, rates):
-        sps = max(r)
-        msps = sps * v.n_models
-        naive = rows[0].model_steps_per_s if rows else msps
-        gf = msps * flops / 1e9
-        rows.append(Row(v.name, v.description, v.n_models, sps, msps, gf, gf / peak, msps / naive,
-                        ORIGINAL_MODEL_EPOCHS / msps / 3600, warm, n * rounds))
+    rows = [_row(v, warm, n * rounds, r, rates[0], flops, peak) for v, (_, warm, n), r in zip(vs, prepared, rates)]
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "hardware": hardware_report(),
+            "load": {"before": load_before, "after": _load()}, "rounds": rounds, "round_s": round_s,
             "workload": {"model": "udlbook MLP 4x63", "sizes": udl_sizes(DEPTH), "batch": len(data.x_train),
                          "lr": LR, "train_flops_per_model_step": flops},
             "peak_gflops": peak, "variants": [asdict(r) for r in rows]}
 
 
+def _row(v: Variant, warm: float, timed_steps: int, rates: list[float], naive: list[float], flops: int,
+         peak: float) -> Row:
+    """One row from its per-round rates: medians, ranges, and ratios to the naive row's rate of the same round."""
+    sps = statistics.median(rates)
+    ratios = [r * v.n_models / b for r, b in zip(rates, naive)]
+    msps = sps * v.n_models
+    gf = msps * flops / 1e9
+    return Row(v.name, v.description, v.n_models, sps, (min(rates), max(rates)), msps, gf, gf / peak,
+               statistics.median(ratios), (min(ratios), max(ratios)), ORIGINAL_MODEL_EPOCHS / msps / 3600, warm,
+               timed_steps)
+
+
+def _load() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def table(result: dict[str, Any]) -> str:
-    """The benchmark as a fixed-width text table."""
-    head = (f"{'variant':10} {'models':>6} {'steps/s':>9} {'model-steps/s':>13} {'GFLOP/s':>8} {'of peak':>8} "
-            f"{'vs naive':>8} {'udlbook run':>12}")
+    """The benchmark as a fixed-width text table: medians over the rounds, with the range of the ratio."""
+    head = (f"{'variant':10} {'models':>6} {'steps/s':>9} {'(range)':>13} {'model-steps/s':>13} {'GFLOP/s':>8} "
+            f"{'of peak':>8} {'vs naive':>8} {'(range)':>13} {'udlbook run':>12}")
     lines = [head, "-" * len(head)]
     for r in result["variants"]:
-        lines.append(f"{r['name']:10} {r['n_models']:6d} {r['steps_per_s']:9.1f} {r['model_steps_per_s']:13.1f} "
-                     f"{r['gflops']:8.1f} {r['fraction_of_peak']:8.1%} {r['speedup_vs_naive']:7.1f}x "
+        lo, hi = r["steps_per_s_range"]
+        rlo, rhi = r["speedup_range"]
+        lines.append(f"{r['name']:10} {r['n_models']:6d} {r['steps_per_s']:9.1f} {f'{lo:.0f}-{hi:.0f}':>13} "
+                     f"{r['model_steps_per_s']:13.1f} {r['gflops']:8.1f} {r['fraction_of_peak']:8.1%} "
+                     f"{r['speedup_vs_naive']:7.1f}x {f'{rlo:.1f}-{rhi:.1f}x':>13} "
                      f"{_hours(r['original_experiment_h']):>12}")
+    lines.append(f"medians of {result.get('rounds', '?')} interleaved rounds of {result.get('round_s', 0):.1f} s per "
+                 f"variant (ranges: lowest-highest round); load average {result.get('load', {}).get('before')} "
+                 f"before, {result.get('load', {}).get('after')} after")
     lines.append(f"peak (measured fp32 matmul): {result['peak_gflops']:.1f} GFLOP/s; training FLOPs per model "
                  f"step: {result['workload']['train_flops_per_model_step'] / 1e6:.1f} M")
     return "\n".join(lines)
@@ -215,7 +254,7 @@ def main(args: Any) -> int:
     """CLI entry: run the benchmark, print the table, write JSON if asked."""
     if args.json is not None and args.json.exists() and args.json.is_dir():
         raise ValueError(f"--json {args.json} is a folder: give a file path such as build/bench.json")
-    result = run_fullbatch(steps=args.steps, n_models=args.models or 8)
+    result = run_fullbatch(steps=args.steps, n_models=args.models or 8, rounds=args.rounds, round_s=args.round_s)
     print(table(result))
     if args.json is not None:
         _atomic_write_text(Path(args.json), json.dumps(result, indent=1))

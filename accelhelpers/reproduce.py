@@ -119,14 +119,17 @@ def _lock(out: Path, depth: int) -> Path:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process with this id exists."""
+    """Whether a process with this id exists and (where /proc says) is a `reproduce` run, not a reused id."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return b"reproduce" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
 
 
 def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
@@ -151,7 +154,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
                 checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any]:
     """Train (or resume) one depth to its full length, checkpointing every `checkpoint_s`; returns its state."""
     epochs, k = settings.epochs(depth), settings.test_every
-    model = _model(depth)
+    model = model_for(depth)
     wrong = torch.zeros(epochs, dtype=torch.int32)
     test_err = torch.full((epochs // k,), float("nan"))
     start, spent, sessions, started = 0, 0.0, 0, time.time()
@@ -201,7 +204,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
     return final
 
 
-def _model(depth: int) -> torch.nn.Sequential:
+def model_for(depth: int) -> torch.nn.Sequential:
     """udlbook's MLP of this depth, seeded with the depth, padded as PAD says."""
     return train.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
 
@@ -219,7 +222,7 @@ def summarize(depth: int, st: dict[str, Any], data: Split) -> dict[str, Any]:
     k, epochs = ex["settings"]["test_every"], ex["settings"]["epochs"]
     grid = _grid(epochs)
     zero = np.flatnonzero(ex["wrong"].numpy() == 0)
-    model = _model(depth)
+    model = model_for(depth)
     model.load_state_dict(st["model"])
     with torch.no_grad():
         final_test = float(train.error_percent(model(data.x_test), data.y_test))
@@ -321,6 +324,31 @@ def load_result(path: str | Path) -> dict[str, Any]:
     if result.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
     return result
+
+
+def recorded(root: Path | None = None) -> tuple[dict[str, Any], Path] | None:
+    """The newest committed full run, results/udlbook-20.2_<hardware>_<date>/ in the checkout (None if absent)."""
+    from .results import repo_root
+
+    root = root or repo_root()
+    runs = sorted(root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json"), key=lambda p: p.parent.name[-10:]) \
+        if root else []
+    return (load_result(runs[-1]), runs[-1].parent) if runs else None
+
+
+def train_errors(folder: str | Path) -> dict[int, np.ndarray]:
+    """Every epoch's % training error per depth of a completed run (from its _wrong.npz)."""
+    folder = Path(folder)
+    batch = load_result(folder)["settings"]["batch"]
+    with np.load(_paths(folder)["npz"]) as f:
+        return {int(k.removeprefix("depth")): f[k].astype(np.float64) * (100 / batch) for k in f.files}
+
+
+def describe(result: dict[str, Any]) -> str:
+    """Where and how a run ran, in one line: hardware, date, processes and threads, wall time."""
+    s = result["settings"]
+    return (f"{_machine(result['hardware'])}, {result['created'][:10]}, {s['jobs']} process(es) x "
+            f"{s['threads'] or 'default'} thread(s), wall time {result['wall_s'] / 60:.0f} min")
 
 
 def _groups(depths: list[int], jobs: int, settings: Settings) -> list[list[int]]:

@@ -41,9 +41,31 @@ def _check(data: Split, epochs: int, lr: float) -> None:
                          f"and {tuple(data.y_train.shape)}")
 
 
+def udlbook_loop(model: nn.Module, data: Split, epochs: int, lr: float = 0.0025) -> History:
+    """udlbook's loop as written (notebook 20.2): a DataLoader over a TensorDataset with batch_size = the whole set
+    (it collates 4000 items per step, in order), SGD, and each epoch's training error taken from the step's own
+    forward pass (before its update) and copied into NumPy (a host sync). No test error (NaN)."""
+    _check(data, epochs, lr)
+    loss_function = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data_loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train))
+    errors_train, losses = np.zeros(epochs), []
+    for epoch in range(epochs):
+        for x_batch, y_batch in data_loader:
+            optimizer.zero_grad()
+            pred = model(x_batch)
+            loss = loss_function(pred, y_batch)
+            loss.backward()
+            optimizer.step()
+        _, predicted_train_class = torch.max(pred.data, 1)
+        errors_train[epoch] = 100 - 100 * (predicted_train_class == y_batch).float().sum() / len(y_batch)
+        losses.append(loss.detach())
+    return History(errors_train, np.full(epochs, np.nan), torch.stack(losses).numpy())
+
+
 def naive_fullbatch(model: nn.Module, data: Split, epochs: int, lr: float = 0.0025) -> History:
-    """The loop as popular notebooks write it: a DataLoader over a TensorDataset with batch_size = the whole
-    set (it collates 4000 items per step), SGD, and per-epoch errors copied into NumPy (a host sync)."""
+    """udlbook's loop plus what many notebooks add (not udlbook): a shuffling DataLoader and, every epoch, a
+    forward pass over the whole training set and one over the test set, errors copied into NumPy (a host sync)."""
     _check(data, epochs, lr)
     loss_function = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)

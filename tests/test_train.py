@@ -54,6 +54,30 @@ def test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_pla
     assert padded[0].weight[63:].abs().max() == 0
 
 
+def test_udlbooks_loop_takes_the_training_error_from_the_steps_own_forward_pass(data):
+    m = ah.udl_mlp(3, seed=4)
+    udl = train.udlbook_loop(train.clone(m), data, 60)
+    fast = train.FullBatchLoop(train.clone(m), data).run(60)  # also measures before each update, no shuffle
+    np.testing.assert_allclose(udl.loss, fast.loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(udl.train_err, fast.train_err, atol=0.05)
+    assert np.isnan(udl.test_err).all() and udl.train_err.shape == (60,)
+    with pytest.raises(ValueError, match="epochs must be at least 1"):
+        train.udlbook_loop(m, data, 0)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_fullgraph_test_every_k_changes_only_when_the_test_error_is_measured(data, compile):
+    m = train.pad_mlp(ah.udl_mlp(4, seed=6))
+    every = train.FullGraphLoop(train.clone(m), data, compile=compile).run(30)
+    k = train.FullGraphLoop(train.clone(m), data, test_every=10, compile=compile).run(30)
+    np.testing.assert_allclose(k.loss, every.loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(k.train_err, every.train_err, atol=1e-4)
+    np.testing.assert_allclose(k.test_err[9::10], every.test_err[9::10], atol=1e-4)
+    assert np.isnan(np.delete(k.test_err, [9, 19, 29])).all()
+    with pytest.raises(ValueError, match="test_every must be an int >= 1"):
+        train.FullGraphLoop(m, data, test_every=0)
+
+
 def test_fullgraph_loop_refuses_a_model_it_cannot_write_as_one_function(data):
     with pytest.raises(ValueError, match="FullGraphLoop needs an nn.Sequential"):
         train.FullGraphLoop(torch.nn.Sequential(torch.nn.Linear(40, 10), torch.nn.Tanh(), torch.nn.Linear(10, 10)),
@@ -135,19 +159,35 @@ def test_bench_runs_every_variant_and_writes_the_schema(tmp_path):
 
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--steps", "2", "--models", "2",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+                        "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["schema"] == "accel-course/bench-fullbatch/1"
+    assert res["schema"] == "accel-course/bench-fullbatch/2" and res["rounds"] == 2
     names = [v["name"] for v in res["variants"]]
-    assert names == ["naive", "fastai", "tensors", "no_sync", "fast", "padded", "compiled", "fullgraph", "many"]
+    assert names == ["naive", "naive+eval", "fastai", "tensors", "no_sync", "fast", "padded", "compiled", "fullgraph",
+                     "test/100", "many"]
     for v in res["variants"]:
         assert v["model_steps_per_s"] == pytest.approx(v["steps_per_s"] * v["n_models"])
         flops = res["workload"]["train_flops_per_model_step"]
         assert v["gflops"] == pytest.approx(v["model_steps_per_s"] * flops / 1e9)
         assert v["fraction_of_peak"] == pytest.approx(v["gflops"] / res["peak_gflops"])
-    assert res["variants"][0]["speedup_vs_naive"] == 1.0
-    assert "naive" in r.stdout and "vs naive" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--steps", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--steps must be at least 1" in bad.stderr
+        lo, hi = v["steps_per_s_range"]
+        assert lo <= v["steps_per_s"] <= hi and v["speedup_range"][0] <= v["speedup_vs_naive"] <= v["speedup_range"][1]
+        assert v["timed_steps"] == 2 * 2
+    assert res["variants"][0]["speedup_vs_naive"] == 1.0 and res["variants"][0]["speedup_range"] == [1.0, 1.0]
+    assert "naive" in r.stdout and "vs naive" in r.stdout and "medians of 2 interleaved rounds" in r.stdout
+    for args, msg in ((["--steps", "0"], "--steps must be at least 1"), (["--rounds", "0"], "--rounds must be at"),
+                      (["--round-s", "0"], "--round-s must be positive")):
+        bad = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and msg in bad.stderr
+
+
+def test_bench_rows_are_medians_and_ratios_are_per_round():
+    from accelhelpers import bench
+
+    v = bench.Variant("x", "d", 2, lambda: None)
+    row = bench._row(v, 0.0, 10, [10.0, 30.0, 20.0], [5.0, 10.0, 20.0], flops=1_000_000_000, peak=100.0)
+    assert row.steps_per_s == 20.0 and row.steps_per_s_range == (10.0, 30.0)
+    assert row.model_steps_per_s == 40.0 and row.gflops == 40.0 and row.fraction_of_peak == 0.4
+    assert row.speedup_vs_naive == 4.0 and row.speedup_range == (2.0, 6.0)  # ratios 4, 6, 2 round by round

@@ -1,0 +1,158 @@
+"""reproduce: udlbook-20.2 runs to the end, survives kills and Ctrl-C with the same bits, refuses to overwrite."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from accelhelpers import checkpoint, reproduce
+
+# A short run: 1/2500 of udlbook's epochs (200 for depth 1, 80 for the others), eager (no compile time),
+# one thread (the arithmetic order must not depend on the machine), test error every 10 epochs.
+SHORT = ["--epochs-scale", "0.0004", "--test-every", "10", "--threads", "1", "--no-compile"]
+ENV = dict(os.environ, TQDM_DISABLE="1")
+
+
+def _cli(out: Path, *extra: str) -> list[str]:
+    """The command line of a short run into `out`."""
+    return [sys.executable, "-m", "accelhelpers", "reproduce", "udlbook-20.2", "--out", str(out), *SHORT, *extra]
+
+
+def _run(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run a short run to its end."""
+    return subprocess.run(_cli(out, *extra), capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _same_run(a: Path, b: Path) -> None:
+    """Two completed runs hold the same bits: every weight, every epoch's error, the JSON's results."""
+    for d in (1, 2, 3, 4):
+        sa, sb = (checkpoint.read_checkpoint(p / f"ckpt_depth{d}.pt") for p in (a, b))
+        assert sa["step"] == sb["step"] == sa["extra"]["settings"]["epochs"]
+        assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+        assert torch.equal(sa["extra"]["wrong"], sb["extra"]["wrong"])
+        assert torch.equal(sa["extra"]["test_err"].nan_to_num(-1), sb["extra"]["test_err"].nan_to_num(-1))
+    with np.load(a / "udlbook-20.2_wrong.npz") as fa, np.load(b / "udlbook-20.2_wrong.npz") as fb:
+        assert all(np.array_equal(fa[k], fb[k]) for k in fa.files)
+    timing = {"train_s", "sessions", "steps_per_s"}
+    ja, jb = (reproduce.load_result(p)["depths"] for p in (a, b))
+    assert [{k: v for k, v in d.items() if k not in timing} for d in ja] == \
+        [{k: v for k, v in d.items() if k not in timing} for d in jb]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """One uninterrupted short run (the reference)."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    r = _run(out)
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_a_run_writes_the_result_the_figure_and_every_epochs_error(straight):
+    out, r = straight
+    res = reproduce.load_result(out)
+    assert res["schema"] == reproduce.SCHEMA and [d["depth"] for d in res["depths"]] == [1, 2, 3, 4]
+    assert [d["epochs"] for d in res["depths"]] == [200, 80, 80, 80]
+    for d in res["depths"]:
+        assert d["curve"]["epochs"][0] == 1 and d["curve"]["epochs"][-1] == d["epochs"]
+        assert d["test"]["epochs"] == list(range(10, d["epochs"] + 1, 10))
+        assert d["final_train_err"] == d["curve"]["train_err"][-1] and 0 <= d["final_test_err"] <= 100
+    with np.load(out / "udlbook-20.2_wrong.npz") as f:
+        assert f["depth1"].shape == (200,) and f["depth1"].dtype == np.uint16
+    assert (out / "udlbook-20.2.png").read_bytes()[:4] == b"\x89PNG"
+    assert "depth 1 (298 units): 200 epochs" in r.stdout and "wall time" in r.stdout
+
+
+def test_killed_at_random_points_and_resumed_it_ends_with_the_same_bits(straight, tmp_path):
+    out = tmp_path / "run"
+    rng = random.Random(0)
+    kills = 0
+    for attempt in range(6):
+        p = subprocess.Popen(_cli(out, "--checkpoint-every", "0", *(["--resume"] if attempt else [])), env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(3.0, 7.0))  # python + torch start in about 3 s; a run takes about 10 s
+        if p.poll() is not None:
+            break
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        kills += 1
+    r = _run(out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert kills >= 1
+    _same_run(straight[0], out)
+
+
+def test_ctrl_c_checkpoints_and_says_how_to_resume(straight, tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen(_cli(out), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not list(out.glob("progress_depth*.json")) and p.poll() is None:
+        time.sleep(0.1)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    if p.returncode == 0:
+        pytest.skip("the run finished before the interrupt arrived")
+    assert p.returncode == 130 and "--resume" in err and "Traceback" not in err
+    assert list(out.glob("ckpt_depth*.pt"))
+    r = _run(out, "--resume")
+    assert r.returncode == 0, r.stderr
+    _same_run(straight[0], out)
+
+
+def test_refuses_to_overwrite_or_to_mix_settings(straight, tmp_path):
+    done = _run(straight[0], "--resume")
+    assert done.returncode == 2 and "already holds a completed udlbook-20.2 run" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "ckpt_depth2.pt").write_bytes((straight[0] / "ckpt_depth2.pt").read_bytes())
+    again = _run(out)
+    assert again.returncode == 2 and "add --resume" in again.stderr
+    other = subprocess.run([sys.executable, "-m", "accelhelpers", "reproduce", "udlbook-20.2", "--out", str(out),
+                            "--epochs-scale", "0.001", "--test-every", "10", "--threads", "1", "--no-compile",
+                            "--resume", "--depths", "2"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert other.returncode == 2 and "epochs=80, not 200" in other.stderr and "--epochs-scale" in other.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--depths", "5"], "--depths must be among 1,2,3,4"),
+    (["--epochs-scale", "0"], "--epochs-scale must be in (0, 1]"),
+    (["--jobs", "0"], "--jobs must be at least 1"),
+])
+def test_bad_arguments_get_one_line(tmp_path, args, message):
+    r = subprocess.run([sys.executable, "-m", "accelhelpers", "reproduce", "udlbook-20.2", "--out",
+                        str(tmp_path / "x"), *args], capture_output=True, text=True, timeout=120, env=ENV)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        reproduce.run(f)
+
+
+def test_jobs_split_the_work_evenly_and_the_grid_is_log_spaced():
+    s = reproduce.Settings()
+    groups = reproduce._groups([1, 2, 3, 4], 2, s)
+    assert sorted(d for g in groups for d in g) == [1, 2, 3, 4] and len(groups) == 2
+    cost = [sum(s.epochs(d) * reproduce.STEP_COST[d] for d in g) for g in groups]
+    assert max(cost) / min(cost) < 1.5
+    grid = reproduce._grid(500_000)
+    assert grid[0] == 1 and grid[-1] == 500_000 and np.all(np.diff(grid) > 0) and len(grid) < 1500
+    assert list(grid[:10]) == list(range(1, 11))
+
+
+def test_load_result_says_what_to_run(tmp_path):
+    with pytest.raises(ValueError, match="python -m accelhelpers reproduce udlbook-20.2"):
+        reproduce.load_result(tmp_path)
+    (tmp_path / "udlbook-20.2.json").write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(ValueError, match="not a udlbook-20.2 result"):
+        reproduce.load_result(tmp_path)
