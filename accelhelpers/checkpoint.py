@@ -14,9 +14,9 @@ import random
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -133,8 +133,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: str | Path) -> Path:
-    """`torch.save` through a temporary file in the same folder + fsync + `os.replace`: all or nothing."""
+def atomic_save(obj: Any, path: str | Path, write: Callable[[Any, BinaryIO], Any] | None = None) -> Path:
+    """`write(obj, file)` (default `torch.save`) into a temporary file in the same folder, fsync, `os.replace`:
+    the file at `path` is the old one or the new one, never a part."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a save that was killed
@@ -142,7 +143,7 @@ def atomic_save(obj: Any, path: str | Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            _serialize(obj, f)
+            (write or _serialize)(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -30,6 +30,7 @@ TITLES = {
     "06": "Distributed data parallel",
     "07": "TPUs and XLA",
     "08": "Quantization, ONNX and FPGA",
+    "09": "Long runs that survive",
 }
 
 
@@ -179,6 +180,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "08": [("int8_size_ratio", "model file, fp32 / int8"),
            ("int8_b256_latency_ratio", "int8 / fp32 latency, batch 256"),
            ("hls_16_6_argmax_agreement", "hls4ml ap_fixed<16,6> agrees with float")],
+    "09": [("resume_bit_identical", "run killed mid-way and resumed vs uninterrupted, bit-identical"),
+           ("preemption_save_s", "SIGTERM to checkpoint saved (Preemption handler)")],
 }
 
 

@@ -1,13 +1,17 @@
 """Faults a long training run meets: non-finite losses (agreed across DDP ranks), out-of-memory (classified,
-memory released, batch size backed off) and dead or stuck peers (a clear error within a timeout, not a hang)."""
+memory released, batch size backed off), dead or stuck peers (a clear error within a timeout, not a hang) and
+preemption (SIGTERM turned into a flag the loop checks, so it saves and exits at a step boundary)."""
 
 from __future__ import annotations
 
 import datetime
 import gc
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -157,3 +161,34 @@ def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size
         batch_size = max(min_batch_size, int(batch_size * factor))
         if on_backoff is not None:
             on_backoff(batch_size, kind)
+
+
+class Preemption:
+    """`with Preemption() as p:` SIGTERM (what SLURM, Kubernetes and cloud spot VMs send before they kill) sets
+    `p.requested` to the signal's name (and `p.at` to its `time.monotonic()`) instead of ending the process, so the
+    loop saves and exits between steps; the previous handlers come back on exit. Main thread only (Python runs
+    signal handlers there)."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+        self.signals = tuple(signals)
+        self.requested: str | None = None
+        self.at: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """Remember the signal and when it came; the training loop acts on it at the next step boundary."""
+        self.requested, self.at = signal.Signals(signum).name, time.monotonic()
+
+    def __enter__(self) -> Preemption:
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError as e:
+            self.__exit__()
+            raise RuntimeError(f"Preemption must be entered in the main thread ({e})") from e
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -344,3 +344,15 @@ def test_property_a_flipped_bit_anywhere_is_caught_or_harmless(tmp_path, where, 
         path.write_bytes(original)
     if state is not None:
         assert ck.digest(state) == ck.digest({k: v for k, v in ck.read_checkpoint(path).items()})
+
+
+def test_atomic_save_writes_any_format_through_the_temporary_file(tmp_path):
+    seen = []
+
+    def write_text(obj, f):
+        seen.extend(p.name for p in tmp_path.iterdir())
+        f.write(obj.encode())
+
+    ck.atomic_save("plain text", tmp_path / "notes.txt", write=write_text)
+    assert (tmp_path / "notes.txt").read_text() == "plain text"
+    assert len(seen) == 1 and seen[0].startswith(".notes.txt.") and seen[0].endswith(".tmp")
