@@ -78,3 +78,17 @@ lint: venv
 
 clean:
 	rm -rf build
+
+# Chapter 10's LiteRT converter (litert-torch) cannot share .venv: it pins typing_extensions and pydantic below
+# the course's and needs torchao >= 0.17 (0.17.0 is the newest that imports with torch 2.9). .venv-edge layers it
+# over .venv: a .pth file adds .venv's packages (torch included, never downloaded twice) behind its own.
+EDGE := .venv-edge
+.PHONY: venv-edge
+venv-edge: $(EDGE)/.installed
+
+$(EDGE)/.installed: $(STAMP)
+	@test -x $(EDGE)/bin/python || $(BIN)/python -m venv $(EDGE)
+	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(EDGE)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_accel_course_venv.pth"
+	$(EDGE)/bin/python -m pip install -q "litert-torch==0.10.0" "torchao==0.17.0"
+	@touch $@

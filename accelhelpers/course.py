@@ -31,6 +31,7 @@ TITLES = {
     "07": "TPUs and XLA",
     "08": "Quantization, ONNX and FPGA",
     "09": "Long runs that survive",
+    "10": "Deployment toolflows: torchao, OpenVINO, LiteRT, Brevitas to hls4ml",
 }
 
 
@@ -182,6 +183,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
            ("hls_16_6_argmax_agreement", "hls4ml ap_fixed<16,6> agrees with float")],
     "09": [("resume_bit_identical", "run killed mid-way and resumed vs uninterrupted, bit-identical"),
            ("preemption_save_s", "SIGTERM to checkpoint saved (Preemption handler)")],
+    "10": [("qat_minus_ptq_4bit", "4-bit FPGA model: QAT accuracy minus the better PTQ"),
+           ("openvino_int8_vs_ort_fp32_b256", "OpenVINO int8 (NNCF) / ONNX Runtime fp32 latency, batch 256")],
 }
 
 

@@ -1,0 +1,226 @@
+"""accelhelpers.toolflows against the runtimes' own references: torchao vs fp32 PyTorch, OpenVINO vs ONNX Runtime on
+the same file and inputs, LiteRT's int8 I/O arithmetic, Brevitas -> QONNX -> hls4ml bit for bit; and the messages
+for a missing tool."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import accelhelpers as ah
+from accelhelpers import toolflows
+
+
+def _mlp(sizes=(40, 64, 32, 10), seed=0):
+    torch.manual_seed(seed)
+    return ah.models.mlp(list(sizes)).eval()
+
+
+def _x(rows=64, cols=40, seed=1):
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def _needs(*tools):
+    missing = [t for t in tools if importlib.util.find_spec(t) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"not installed: {', '.join(missing)}")
+
+
+# ------------------------------------------------------------------------------------------ missing tools
+def test_unknown_tool_names_the_known_ones():
+    with pytest.raises(ValueError, match="torchao"):
+        toolflows.have("tensorflow")
+
+
+def test_a_missing_tool_raises_with_its_exact_install_line(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ah.deploy.ToolMissing, match=r"missing openvino, nncf — openvino: pip install openvino; "
+                                                     r"nncf: pip install nncf\. The rest of the chapter still runs"):
+        toolflows.require("openvino", "nncf")
+
+
+def test_litert_torch_missing_points_at_the_separate_environment(monkeypatch, tmp_path):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(toolflows, "edge_python", lambda root=None: None)
+    assert not toolflows.have("litert_torch")
+    with pytest.raises(ah.deploy.ToolMissing, match="make venv-edge"):
+        toolflows.litert_convert_int8(_mlp(), _x().numpy(), tmp_path / "m.tflite")
+
+
+def test_edge_python_is_none_without_the_environment_and_found_with_it(tmp_path):
+    assert toolflows.edge_python(tmp_path) is None
+    exe = tmp_path / ".venv-edge" / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    exe.touch()
+    assert toolflows.edge_python(tmp_path) == exe
+
+
+def test_the_module_entry_point_explains_its_usage(capsys):
+    assert toolflows._main(["convert"]) == 2
+    assert "usage: python -m accelhelpers.toolflows litert" in capsys.readouterr().err
+
+
+def test_fingerprint_follows_the_weights_and_the_calibration_rows(tmp_path):
+    m, x = _mlp(), _x().numpy()
+    key = toolflows.fingerprint(m, x)
+    assert key == toolflows.fingerprint(_mlp(), x.copy())
+    assert key != toolflows.fingerprint(m, x[:10])
+    with torch.no_grad():
+        m[0].weight[0, 0] += 1e-3
+    assert key != toolflows.fingerprint(m, x)
+    assert not toolflows.converted_from(tmp_path / "none.tflite", m, x)
+
+
+# ------------------------------------------------------------------------------------------------ torchao
+@_needs("torchao")
+@pytest.mark.parametrize("kind, tol", [("int8_dynamic", 0.1), ("int8_weight_only", 0.05)])
+def test_torchao_int8_stays_close_to_fp32_and_leaves_the_original_alone(kind, tol):
+    m, x = _mlp(), _x()
+    q = toolflows.torchao_quantize(m, kind)
+    with torch.no_grad():
+        ref, out = m(x), q(x)
+    assert (out - ref).abs().max().item() < tol
+    assert set(toolflows.quantized_layers(m).values()) == {"Parameter"}
+    assert "Parameter" not in set(toolflows.quantized_layers(q).values())
+
+
+@_needs("torchao")
+def test_torchao_int4_quantizes_only_the_layers_its_cpu_kernel_takes():
+    m = _mlp((40, 64, 32, 10))
+    q = toolflows.torchao_quantize(m, "int4_weight_only", group_size=32)
+    kinds = toolflows.quantized_layers(q)
+    assert kinds["0"] == "Parameter"        # 40 inputs: not a multiple of the group
+    assert kinds["2"] != "Parameter"        # 64 -> 32: taken
+    assert kinds["4"] == "Parameter"        # 10 outputs: not a multiple of 16
+    assert [toolflows.int4_fits(layer) for layer in m if isinstance(layer, nn.Linear)] == [False, True, False]
+
+
+def test_torchao_unknown_kind():
+    with pytest.raises(ValueError, match="int8_dynamic"):
+        toolflows.torchao_config("int2")
+
+
+# ---------------------------------------------------------------------------------------- OpenVINO + NNCF
+@pytest.fixture(scope="module")
+def onnx_mlp(tmp_path_factory):
+    if any(importlib.util.find_spec(t) is None for t in ("onnx", "onnxscript", "onnxruntime")):
+        pytest.skip("ONNX tools not installed")
+    m = _mlp()
+    return m, ah.deploy.export_onnx(m, _x(2), tmp_path_factory.mktemp("onnx") / "mlp.onnx")
+
+
+@_needs("openvino")
+def test_openvino_fp32_equals_onnx_runtime_on_the_same_file_and_inputs(onnx_mlp):
+    _, path = onnx_mlp
+    x = _x(300).numpy()
+    y_ov = toolflows.openvino_run(toolflows.openvino_compile(path), x)
+    y_ort = ah.deploy.ort_run(ah.deploy.ort_session(path), x)
+    assert y_ov.shape == y_ort.shape == (300, 10)
+    np.testing.assert_allclose(y_ov, y_ort, atol=1e-5, rtol=1e-5)
+
+
+@_needs("openvino", "nncf")
+def test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax(onnx_mlp, tmp_path):
+    m, path = onnx_mlp
+    x = _x(500, seed=3).numpy()
+    model = toolflows.nncf_quantize(path, x[:256])
+    compiled = toolflows.openvino_compile(model)
+    with torch.no_grad():
+        ref = m(torch.from_numpy(x)).numpy()
+    assert ah.deploy.agreement(toolflows.openvino_run(compiled, x), ref)["argmax_agreement"] >= 0.9
+    kernels = toolflows.openvino_kernels(compiled)
+    assert "FakeQuantize" in kernels or any("i8" in p or "u8" in p for ps in kernels.values() for p in ps)
+    size = toolflows.openvino_save(model, tmp_path / "int8")
+    assert size == (tmp_path / "int8.xml").stat().st_size + (tmp_path / "int8.bin").stat().st_size
+
+
+@_needs("openvino", "nncf")
+def test_nncf_needs_calibration_rows(onnx_mlp):
+    with pytest.raises(ValueError, match="calibration"):
+        toolflows.nncf_quantize(onnx_mlp[1], np.zeros((0, 40), np.float32))
+
+
+# ------------------------------------------------------------------------------------------------- LiteRT
+class _FakeInterpreter:
+    """The slice of LiteRT's Interpreter that litert_run uses: int8 in, int8 out, output = input * 2 (as int8)."""
+
+    def __init__(self, shape, in_q=(0.05, 3), out_q=(0.1, -2)):
+        self.shape, self.in_q, self.out_q, self.resized = list(shape), in_q, out_q, []
+
+    def get_input_details(self):
+        return [{"index": 0, "shape": np.array(self.shape), "dtype": np.int8, "quantization": self.in_q}]
+
+    def get_output_details(self):
+        return [{"index": 1, "shape": np.array(self.shape), "dtype": np.int8, "quantization": self.out_q}]
+
+    def resize_tensor_input(self, index, shape):
+        self.resized.append(tuple(shape))
+        self.shape = list(shape)
+
+    def allocate_tensors(self):
+        pass
+
+    def set_tensor(self, index, value):
+        self.value = value
+
+    def invoke(self):
+        pass
+
+    def get_tensor(self, index):
+        return self.value
+
+
+def test_litert_run_quantizes_the_input_and_dequantizes_the_output_with_their_own_parameters():
+    x = np.array([[0.0, 1.0, -1.0, 100.0], [0.04, -0.06, 0.5, -100.0]], np.float32)
+    fake = _FakeInterpreter((1, 4))
+    y = ah.toolflows.litert_run(fake, x)
+    assert fake.resized == [(2, 4)]
+    q = np.clip(np.round(x / 0.05) + 3, -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(fake.value, q)
+    np.testing.assert_allclose(y, (q.astype(np.float32) + 2) * np.float32(0.1))
+
+
+@_needs("ai_edge_litert")
+def test_litert_interpreter_reports_a_bad_file(tmp_path):
+    bad = tmp_path / "bad.tflite"
+    bad.write_bytes(b"not a flatbuffer")
+    with pytest.raises(ValueError):
+        toolflows.litert_interpreter(bad)
+
+
+# ------------------------------------------------------------------------------ Brevitas -> QONNX -> hls4ml
+def test_brevitas_mlp_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="bits >= 2"):
+        toolflows.brevitas_mlp([40], 4)
+
+
+@_needs("brevitas")
+def test_copy_linear_weights_checks_the_shapes():
+    with pytest.raises(ValueError, match="differ"):
+        toolflows.copy_linear_weights(_mlp((40, 8, 10)), toolflows.brevitas_mlp([40, 16, 10], 4))
+
+
+@_needs("brevitas")
+def test_brevitas_ptq_holds_the_fp32_weights_on_a_power_of_two_grid():
+    m = _mlp((40, 16, 10))
+    q = toolflows.brevitas_ptq(m, [40, 16, 10], 4, _x(256))
+    layer = q[1]
+    w = layer.quant_weight()
+    scale = float(w.scale)
+    assert np.log2(scale) == round(np.log2(scale))                       # power of two: ap_fixed holds it
+    ints = (w.value / w.scale).detach().numpy()
+    assert np.array_equal(ints, np.round(ints)) and ints.min() >= -8 and ints.max() <= 7   # 4-bit signed
+    assert torch.equal(layer.weight, m[0].weight)                        # fp32 weights copied, quantized on the fly
+
+
+@_needs("brevitas", "onnxoptimizer", "qonnx", "hls4ml")
+@pytest.mark.skipif(not ah.deploy.have("g++"), reason="g++ not installed")
+def test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit(tmp_path):
+    sizes = [40, 8, 10]
+    q = toolflows.brevitas_ptq(_mlp(sizes), sizes, 4, _x(256))
+    path = toolflows.export_qonnx(q, _x(1), tmp_path / "q.onnx")
+    hm = toolflows.hls_from_qonnx(toolflows.qonnx_for_hls4ml(path), tmp_path / "hls")
+    x = _x(200, seed=5).numpy()
+    np.testing.assert_array_equal(ah.deploy.hls_predict(hm, x), toolflows.brevitas_logits(q, x))
+    assert any("fixed<4," in p for p in toolflows.hls_precisions(hm).values())
