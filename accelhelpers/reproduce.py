@@ -140,12 +140,13 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
     st = checkpoint.read_checkpoint(path)
     saved = st["extra"]["settings"]
     mine = {"epochs": settings.epochs(depth), "test_every": settings.test_every, "compile": settings.compile,
-            "threads": settings.threads}
+            "threads": settings.threads, "device": _device_type()}
     for key, value in mine.items():
-        if saved[key] != value:
+        was = saved.get(key, "cpu")
+        if was != value:
             flag = {"epochs": "--epochs-scale", "test_every": "--test-every", "compile": "--no-compile",
-                    "threads": "--threads"}[key]
-            raise ValueError(f"depth {depth} in {out} was started with {key}={saved[key]}, not {value}: resume "
+                    "threads": "--threads", "device": "a machine with the same kind of device"}[key]
+            raise ValueError(f"depth {depth} in {out} was started with {key}={was}, not {value}: resume "
                              f"with the same {flag} (another value changes the arithmetic and so the result)")
     return st
 
@@ -154,7 +155,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
                 checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any]:
     """Train (or resume) one depth to its full length, checkpointing every `checkpoint_s`; returns its state."""
     epochs, k = settings.epochs(depth), settings.test_every
-    model = model_for(depth)
+    model = model_for(depth).to(data.device)
     wrong = torch.zeros(epochs, dtype=torch.int32)
     test_err = torch.full((epochs // k,), float("nan"))
     start, spent, sessions, started = 0, 0.0, 0, time.time()
@@ -175,7 +176,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
         extra = {"wrong": wrong, "test_err": test_err, "train_s": spent + time.perf_counter() - t0,
                  "sessions": sessions + 1, "started": started,
                  "settings": {"epochs": epochs, "test_every": k, "compile": settings.compile,
-                              "threads": settings.threads, "depth": depth}}
+                              "threads": settings.threads, "depth": depth, "device": data.device.type}}
         checkpoint.save_checkpoint(_ckpt(out, depth), model, step=step, extra=extra)
         return {"step": step, "model": model.state_dict(), "extra": extra}
 
@@ -183,10 +184,11 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
     e = start
     while e < epochs:
         end = min(epochs, (e // k + 1) * k)
-        errs = [loop.train_step(x, y)[1] for _ in range(e, end)]
-        wrong[e:end] = torch.round(torch.stack(errs) * (n / 100)).to(torch.int32)
+        # clone: with CUDA graphs the next replay overwrites a step's outputs (a copy of 4 bytes elsewhere)
+        errs = [loop.train_step(x, y)[1].clone() for _ in range(e, end)]
+        wrong[e:end] = torch.round(torch.stack(errs) * (n / 100)).to(torch.int32).cpu()
         if end % k == 0:
-            test_err[end // k - 1] = loop.test_error()
+            test_err[end // k - 1] = loop.test_error().cpu()
         if bar is not None:
             bar.update(end - e)
         e = end
@@ -207,6 +209,16 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
 def model_for(depth: int) -> torch.nn.Sequential:
     """udlbook's MLP of this depth, seeded with the depth, padded as PAD says."""
     return train.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
+
+
+def _device() -> torch.device:
+    """Where the fast path trains: a CUDA GPU if there is one (CUDA graphs), else the CPU (inductor's C++)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device_type() -> str:
+    """The kind of device this process trains on ('cuda' or 'cpu')."""
+    return _device().type
 
 
 def _grid(epochs: int, points: int = GRID_POINTS) -> np.ndarray:
@@ -431,7 +443,7 @@ def run(out: Path, resume: bool = False, settings: Settings | None = None, depth
 
 def _train_here(out: Path, depths: list[int], settings: Settings, checkpoint_s: float) -> None:
     """Train `depths` one after another in this process, with one progress bar and ETA for all of them."""
-    data = mnist1d("cpu")
+    data = mnist1d(_device())
     locks = [_lock(out, d) for d in depths]
     bar = _bar(sum(settings.epochs(d) for d in depths), f"{EXPERIMENT} depths {','.join(map(str, depths))}")
     try:

@@ -156,3 +156,19 @@ def test_load_result_says_what_to_run(tmp_path):
     (tmp_path / "udlbook-20.2.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="not a udlbook-20.2 result"):
         reproduce.load_result(tmp_path)
+
+
+def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight, tmp_path):
+    import shutil
+
+    assert reproduce.recorded(tmp_path) is None
+    for date in ("2026-01-02", "2026-11-30"):
+        shutil.copytree(straight[0], tmp_path / "results" / f"udlbook-20.2_cpu-test_{date}")
+    result, folder = reproduce.recorded(tmp_path)
+    assert folder.name.endswith("2026-11-30") and result["schema"] == reproduce.SCHEMA
+    errs = reproduce.train_errors(folder)
+    for d in result["depths"]:
+        e = errs[d["depth"]]
+        assert len(e) == d["epochs"] and e[-1] == pytest.approx(d["final_train_err"])
+        assert [round(float(e[i - 1]), 3) for i in d["curve"]["epochs"]] == d["curve"]["train_err"]
+    assert "wall time" in reproduce.describe(result) and "1 process(es) x 1 thread(s)" in reproduce.describe(result)
