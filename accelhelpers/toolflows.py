@@ -105,20 +105,25 @@ def quantized_layers(model: nn.Module) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------ OpenVINO + NNCF
-def openvino_compile(model: Any, threads: int = 1, precision: str = "f32") -> Any:
+def openvino_compile(model: Any, threads: int = 1, precision: str = "f32", batch: int | None = None) -> Any:
     """Compile an ONNX path or an OpenVINO model for the CPU with `threads` inference threads; `precision` 'f32'
-    keeps fp32 arithmetic (OpenVINO may otherwise pick bf16 or f16 where the CPU has it)."""
+    keeps fp32 arithmetic (OpenVINO may otherwise pick bf16 or f16 where the CPU has it); `batch` fixes the batch
+    dimension (a static shape lets the plugin plan once instead of per call)."""
     require("openvino")
     import openvino as ov
 
     core = ov.Core()
-    source = core.read_model(str(model)) if isinstance(model, str | Path) else model
+    source = core.read_model(str(model)) if isinstance(model, str | Path) else model.clone()
+    if batch is not None:
+        shape = source.input(0).get_partial_shape()
+        shape[0] = batch
+        source.reshape({source.input(0): shape})
     return core.compile_model(source, "CPU", {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision})
 
 
 def openvino_run(compiled: Any, x: Any) -> np.ndarray:
     """Run a one-input compiled OpenVINO model on float32 rows; returns its first output."""
-    return np.asarray(compiled(np.ascontiguousarray(np.asarray(x, dtype=np.float32)))[0])
+    return np.asarray(compiled(np.ascontiguousarray(np.asarray(x, dtype=np.float32)), share_inputs=True)[0])
 
 
 def nncf_quantize(onnx_path: str | Path, calib_x: Any, batch: int = 64) -> Any:
@@ -375,9 +380,11 @@ def qonnx_for_hls4ml(path: str | Path) -> Any:
     from qonnx.transformation.gemm_to_matmul import GemmToMatMul
     from qonnx.util.cleanup import cleanup_model
 
-    model = cleanup_model(ModelWrapper(str(path)))
-    model = model.transform(ConvertToChannelsLastAndClean()).transform(GemmToMatMul())
-    return cleanup_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # GemmToMatMul warns that it was written for Gemm's opset 9
+        model = cleanup_model(ModelWrapper(str(path)))
+        model = model.transform(ConvertToChannelsLastAndClean()).transform(GemmToMatMul())
+        return cleanup_model(model)
 
 
 def hls_from_qonnx(model: Any, out_dir: str | Path, reuse_factor: int = 1, compile: bool = True) -> Any:
@@ -391,11 +398,11 @@ def hls_from_qonnx(model: Any, out_dir: str | Path, reuse_factor: int = 1, compi
 
     if compile:
         require_deploy("g++")
-    cfg = hls4ml.utils.config.config_from_onnx_model(model, granularity="name", backend="Vitis",
-                                                     default_precision="fixed<32,16>",
-                                                     default_reuse_factor=reuse_factor)
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # hls4ml narrates the topology
         warnings.simplefilter("ignore")
+        cfg = hls4ml.utils.config.config_from_onnx_model(model, granularity="name", backend="Vitis",
+                                                         default_precision="fixed<32,16>",
+                                                         default_reuse_factor=reuse_factor)
         hm = hls4ml.converters.convert_from_onnx_model(model, output_dir=str(out_dir), io_type="io_parallel",
                                                        backend="Vitis", hls_config=cfg)
         hm.compile() if compile else hm.write()
@@ -405,6 +412,14 @@ def hls_from_qonnx(model: Any, out_dir: str | Path, reuse_factor: int = 1, compi
 def hls_precisions(hm: Any) -> dict[str, str]:
     """Layer name -> the ap_fixed type of its output in an hls4ml model (what the Quant nodes turned into)."""
     return {layer.name: str(layer.get_output_variable().type.precision) for layer in hm.get_layers()}
+
+
+def hls_typedefs(hm: Any) -> list[str]:
+    """The `typedef ap_...` lines of a written hls4ml project's firmware/defines.h: every type the circuit uses."""
+    defines = Path(hm.config.get_output_dir()) / "firmware" / "defines.h"
+    if not defines.exists():
+        raise FileNotFoundError(f"no {defines}: write or compile the hls4ml project first")
+    return [line.strip() for line in defines.read_text().splitlines() if line.startswith("typedef ap_")]
 
 
 def _main(argv: Sequence[str]) -> int:
