@@ -456,6 +456,26 @@ def _bench_table(path: Path) -> list[str]:
     return lines
 
 
+def _udlbook_table(path: Path) -> list[str]:
+    """udlbook's experiment in full (`python -m accelhelpers reproduce udlbook-20.2`): one row per depth."""
+    d = json.loads(path.read_text())
+    st = d["settings"]
+    rel = path.relative_to(path.parents[2])
+    lines = [f"**udlbook's experiment in full, `python -m accelhelpers reproduce udlbook-20.2`**, started "
+             f"{d['started'].replace('T', ' ')}, {_machine(d['hardware'])}; {st['jobs']} process(es), "
+             f"{st['threads'] or 'default'} thread(s) each; wall time **{d['wall_s'] / 60:.0f} min** (interruptions "
+             f"included); training error every epoch, test error every {st['test_every']} epochs; JSON: "
+             f"[`{rel}`]({rel}), figure: [`{rel.with_suffix('.png')}`]({rel.with_suffix('.png')})\n",
+             "| depth | hidden units | parameters | epochs | final training error | lowest training error | "
+             "first epoch at 0 % | final test error | training time | steps/s |", "|---" * 10 + "|"]
+    for r in d["depths"]:
+        zero = f"{r['first_zero_epoch']:,}" if r["first_zero_epoch"] else "never"
+        lines.append(f"| {r['depth']} | {r['hidden']} | {r['params']:,} | {r['epochs']:,} | "
+                     f"{r['final_train_err']:.2f} % | {r['min_train_err']:.2f} % | {zero} | "
+                     f"{r['final_test_err']:.2f} % | {r['train_s'] / 60:.0f} min | {r['steps_per_s']:.0f} |")
+    return lines
+
+
 def _run_table(folder: Path, what: str) -> list[str]:
     """A recorded course run or device check: chapter, seconds, headline results."""
     run_info = _load_run(folder)
@@ -482,6 +502,9 @@ def readme_tables(root: Path | None = None) -> str:
     benches = sorted(root.glob("bench_fullbatch_*.json"), key=lambda p: json.loads(p.read_text())["created"])
     if benches:
         parts.append(_bench_table(benches[-1]))
+    full = sorted(root.glob("udlbook-20.2_*/udlbook-20.2.json"), key=lambda p: json.loads(p.read_text())["created"])
+    if full:
+        parts.append(_udlbook_table(full[-1]))
     for pattern, what in (("course_*", "The whole course, `make course`"),
                           ("device-check_*", "The device check, `make device-check`")):
         runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()),
