@@ -69,11 +69,17 @@ def torchao_config(kind: str, group_size: int = 32) -> Any:
     if kind not in TORCHAO_KINDS:
         raise ValueError(f"unknown torchao kind {kind!r}: choose one of {', '.join(TORCHAO_KINDS)}")
     require("torchao")
-    from torchao.quantization import (
-        Int4WeightOnlyConfig,
-        Int8DynamicActivationInt8WeightConfig,
-        Int8WeightOnlyConfig,
-    )
+    try:
+        from torchao.quantization import (
+            Int4WeightOnlyConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            Int8WeightOnlyConfig,
+        )
+    except ImportError as e:  # a torchao release built for another torch (0.18 with torch 2.9, say)
+        from importlib.metadata import version
+
+        raise ToolMissing(f"torchao {version('torchao')} does not work with torch {torch.__version__} ({e}); install "
+                          "the torchao release built for your torch (torch 2.9: pip install 'torchao==0.14.1')") from e
 
     if kind == "int8_dynamic":
         return Int8DynamicActivationInt8WeightConfig()

@@ -96,6 +96,15 @@ def test_torchao_int4_quantizes_only_the_layers_its_cpu_kernel_takes():
     assert [toolflows.int4_fits(layer) for layer in m if isinstance(layer, nn.Linear)] == [False, True, False]
 
 
+@_needs("torchao")
+def test_a_torchao_built_for_another_torch_is_reported_as_missing_with_the_matching_release(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # what an ImportError at import looks like
+    with pytest.raises(ah.deploy.ToolMissing, match=r"does not work with torch .*torchao==0\.14\.1"):
+        toolflows.torchao_config("int8_dynamic")
+
+
 def test_torchao_unknown_kind():
     with pytest.raises(ValueError, match="int8_dynamic"):
         toolflows.torchao_config("int2")
