@@ -21,6 +21,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -111,7 +112,7 @@ def save(run: Run, path: str | Path, keep: int | None = None) -> Path:
                                       extra={"loader": loader})
 
 
-def _restore_loader(run: Run, state: dict[str, Any] | None) -> None:
+def restore_loader(run: Run, state: dict[str, Any] | None) -> None:
     """Rewind the loader generator to the saved epoch's start and replay the batches that epoch had served."""
     if state is None:
         return
@@ -132,7 +133,7 @@ def resume(run: Run, path: str | Path, leave_out: str | None = None) -> Run:
     if leave_out in reseed:
         reseed[leave_out](run.seed)  # where a fresh start leaves that generator
     if leave_out != "loader":
-        _restore_loader(run, checkpoint.read_checkpoint(path)["extra"]["loader"])
+        restore_loader(run, checkpoint.read_checkpoint(path)["extra"]["loader"])
     return run
 
 
@@ -179,6 +180,29 @@ def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
         raise TimeoutError(f"worker {' '.join(map(str, proc.args[3:6]))} ran past {timeout} s and was killed; "
                            f"its last output: {out[-300:]!r}") from None
     return proc.returncode, out
+
+
+def wait_for(proc: subprocess.Popen, text: str, timeout: float = 180) -> None:
+    """Read a worker's output until a line equal to `text` (a cue such as READY); past `timeout` seconds kill it
+    and raise TimeoutError; a worker that ends without the line raises RuntimeError."""
+    found, done = [], threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.strip() == text:
+                found.append(line)
+                break
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not done.wait(timeout):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise TimeoutError(f"worker {' '.join(map(str, proc.args[3:6]))} printed no {text} within {timeout} s and "
+                           "was killed")
+    if not found:
+        raise RuntimeError(f"worker {' '.join(map(str, proc.args[3:6]))} ended ({exit_reason(proc.wait())}) "
+                           f"without printing {text}")
 
 
 def exit_reason(code: int) -> str:
@@ -393,13 +417,15 @@ def work_fsdp(out: Path, steps: int) -> None:
     its own shard) and, for comparison, the full weights gathered to rank 0 with torch.save."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    rank, _ = faults.init_distributed("gloo", 60)
+    rank, world = faults.init_distributed("gloo", 60)
+    mesh = init_device_mesh("cpu", (world,))  # explicit: on a GPU machine the default mesh would be CUDA's
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
     for layer in (model[0], model[2], model):
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))

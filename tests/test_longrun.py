@@ -129,7 +129,7 @@ def test_sigterm_is_a_clean_save_with_preemption_and_a_loss_without(tmp_path):
     procs = {pre: longrun.start("train", tmp_path / str(pre), "--steps", 10**6, "--every", 1000,
                                 *(["--preemptible"] if pre else [])) for pre in (False, True)}
     for proc in procs.values():
-        assert proc.stdout.readline().strip() == "READY"
+        longrun.wait_for(proc, "READY", 180)
         proc.send_signal(signal.SIGTERM)
     codes = {pre: longrun.finish(p, 180)[0] for pre, p in procs.items()}
     assert codes == {False: -signal.SIGTERM, True: 0}
@@ -153,11 +153,18 @@ def test_a_run_killed_between_checkpoints_resumes_bit_identical_in_a_new_process
     assert all(same(a[k], b[k]) for k in ("model", "optimizer", "scheduler"))
 
 
-def test_finish_kills_a_worker_that_outlives_its_timeout(tmp_path):
+def test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout(tmp_path):
+    proc = longrun.start("train", tmp_path, "--steps", 10**6, "--every", 10**6)
+    with pytest.raises(TimeoutError, match=r"worker train .* printed no NEVER within 1 s and was killed"):
+        longrun.wait_for(proc, "NEVER", timeout=1)
+    assert proc.poll() is not None
     proc = longrun.start("train", tmp_path, "--steps", 10**6, "--every", 10**6)
     with pytest.raises(TimeoutError, match=r"worker train .* ran past 1 s and was killed"):
         longrun.finish(proc, timeout=1)
     assert proc.poll() is not None
+    proc = longrun.start("train", tmp_path / "short", "--steps", 3)
+    with pytest.raises(RuntimeError, match=r"worker train .* ended \(exit 0\) without printing READY"):
+        longrun.wait_for(proc, "READY", timeout=180)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
