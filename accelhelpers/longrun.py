@@ -257,27 +257,28 @@ def work_variants(ckpt: Path, out: Path, steps: int) -> None:
         save(run, out / f"final_{leave_out or 'all'}.pt")
 
 
-def work_kill_mid_save(out: Path, way: str) -> None:
-    """Save a good checkpoint (step 1), then save step 2 over it `way` ('torch.save' straight to the file, or
-    'atomic'), and SIGKILL ourselves when half of the new file's bytes are written."""
+def work_kill_mid_save(out: Path, way: str, fraction: float = 0.5) -> None:
+    """Save a good checkpoint (step 0), train 2 steps, save over it `way` ('torch.save' straight to the file, or
+    'atomic'), and SIGKILL ourselves when `fraction` of the new file's bytes are written (1.0: all of them, so an
+    atomic save dies between its complete temporary file and the rename)."""
     run = make_run()
     path = out / "model.pt"
     save(run, path)
     train(run, 2)
 
-    def write_half_then_die(obj: Any, f: Any) -> None:
+    def write_then_die(obj: Any, f: Any) -> None:
         buf = io.BytesIO()
         torch.save(obj, buf)
-        f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+        f.write(buf.getvalue()[: int(len(buf.getvalue()) * fraction)])
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
     state = {"format": checkpoint.FORMAT, "step": run.step, "model": run.model.state_dict()}
     if way == "atomic":
-        checkpoint.atomic_save(state, path, write=write_half_then_die)
+        checkpoint.atomic_save(state, path, write=write_then_die)
     else:
         with open(path, "wb") as f:  # what torch.save(state, path) does: truncate, then write
-            write_half_then_die(state, f)
+            write_then_die(state, f)
 
 
 def _address_space() -> int:
@@ -456,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preemptible", action="store_true")
     p.add_argument("--ckpt", type=Path, default=None)
     p.add_argument("--way", choices=["torch.save", "atomic"], default="atomic")
+    p.add_argument("--fraction", type=float, default=0.5)
     p.add_argument("--budget-mb", type=int, default=256)
     p.add_argument("--start-batch", type=int, default=65536)
     p.add_argument("--bad-step", type=int, default=3)
@@ -465,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     {"train": lambda: work_train(a.out, a.steps, a.every, a.die_at, a.preemptible),
      "variants": lambda: work_variants(a.ckpt, a.out, a.steps),
-     "kill_mid_save": lambda: work_kill_mid_save(a.out, a.way),
+     "kill_mid_save": lambda: work_kill_mid_save(a.out, a.way, a.fraction),
      "oom": lambda: work_oom(a.out, a.budget_mb, a.start_batch),
      "elastic": lambda: work_elastic(a.out, a.steps, a.every, a.crash_at, a.timeout),
      "nan": lambda: work_nan(a.out, a.steps, a.bad_step, a.timeout),

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from accelhelpers import checkpoint as ck
+from accelhelpers import longrun
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1"}
@@ -163,30 +163,20 @@ def test_exact_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     assert not same(straight["model"], norng["model"])  # the test can fail: RNG states matter
 
 
-@pytest.mark.parametrize("mode", ["write", "rename"])
-def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, mode):
-    proc = subprocess.Popen([sys.executable, "-m", "accelhelpers.workers", "hang_in_save", str(tmp_path),
-                             "--mode", mode], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    watchdog = threading.Timer(90, proc.kill)
-    watchdog.start()
-    try:
-        line = proc.stdout.readline()
-        assert line.strip() == "SAVING", proc.stderr.read()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        watchdog.cancel()
-        proc.kill()
-        proc.communicate()
-    temporaries = list(tmp_path.glob(".ckpt.pt.*.tmp"))
+@pytest.mark.parametrize("fraction", [0.5, 1.0], ids=["mid-write", "before-rename"])
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, fraction):
+    """SIGKILLed half-way through writing the temporary file, or with it complete but not yet renamed."""
+    code, out = longrun.finish(longrun.start("kill_mid_save", tmp_path, "--way", "atomic", "--fraction", fraction),
+                               180)
+    assert code == -signal.SIGKILL, out[-2000:]
+    temporaries = list(tmp_path.glob(".model.pt.*.tmp"))
     assert len(temporaries) == 1 and temporaries[0].stat().st_size > 0  # the killed save got that far
-    assert ck.read_checkpoint(tmp_path / "ckpt.pt")["step"] == 1
-    assert ck.latest_good_checkpoint(tmp_path) == tmp_path / "ckpt.pt"
-    model = nn.Linear(64, 64)
-    assert ck.load_checkpoint(tmp_path / "ckpt.pt", model) == 1
-    ck.save_checkpoint(tmp_path / "ckpt.pt", model, step=3)  # the next save sweeps the leftover away
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert ck.read_checkpoint(tmp_path / "model.pt")["step"] == 0
+    assert ck.latest_good_checkpoint(tmp_path) == tmp_path / "model.pt"
+    run = longrun.make_run()
+    assert ck.load_checkpoint(tmp_path / "model.pt", run.model) == 0
+    ck.save_checkpoint(tmp_path / "model.pt", run.model, step=3)  # the next save sweeps the leftover away
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
 
 
 def _corrupt(path: Path, how: str, inside: torch.Tensor | None = None) -> None:
