@@ -45,11 +45,13 @@ def colab_pins(kind: str) -> dict[str, str]:
 
 
 def setup_requirement() -> str:
-    """The requirement the chapters' setup cells install (chapter 08's, the widest), checked to be the same
-    URL and ref in every chapter by tests/test_colab.py."""
-    nb = json.loads(next((ROOT / "notebooks").glob("08_*.ipynb")).read_text())
-    src = "".join(nb["cells"][1]["source"])
-    return re.search(r'"(accelhelpers\[[^"]+\] @ git\+[^"]+)"', src).group(1)
+    """The widest requirement the chapters' setup cells install (the most extras), the same URL and ref in every
+    chapter (tests/test_colab.py checks that)."""
+    found = []
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        src = "".join(json.loads(path.read_text())["cells"][1]["source"])
+        found += re.findall(r'"(accelhelpers\[[^"]+\] @ git\+[^"]+)"', src)
+    return max(found, key=lambda req: req.split("]")[0].count(","))
 
 
 def local_requirement(req: str) -> str:
