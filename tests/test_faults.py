@@ -15,7 +15,6 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from conftest import compat_teardown_abort
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -23,6 +22,7 @@ from torch import nn
 import accelhelpers as ah
 from accelhelpers import checkpoint as ck
 from accelhelpers import course, data, device, faults, models, results, timing
+from conftest import compat_teardown_abort
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
