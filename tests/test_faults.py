@@ -115,7 +115,8 @@ def test_a_dead_or_stuck_peer_is_a_clear_error_within_the_timeout_not_a_hang(job
         assert rank0["seconds"] < 3 + 5
     assert "Timed out" in json.loads((d / "hang" / "rank0.json").read_text())["error"]
     rc, out = outcome["kill"]  # torchrun notices the dead worker and stops the others
-    assert rc != 0 and ("SIGKILL" in out or (d / "kill" / "rank0.json").exists()), out[-3000:]
+    # torchrun names the signal that killed the worker, whether or not rank 0 saw the peer go first
+    assert rc != 0 and "Signal 9 (SIGKILL) received by PID" in out, out[-3000:]
 
 
 def test_a_worker_killed_mid_run_is_restarted_and_resumes_from_the_last_checkpoint(jobs):
@@ -397,9 +398,12 @@ def test_property_udl_depths(depth):
 @given(name=st.text(alphabet="cpumdaxl:0123 -", max_size=7))
 def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch):
     kind, colon, index = name.partition(":")
-    if kind == "xla":
-        return  # xla is a real (installed) device here
     monkeypatch.delenv("ACCEL_DEVICE", raising=False)
+    if kind == "xla":  # a well-formed name would start torch_xla's runtime in this process: check the refusals
+        if colon and not index.isdigit():
+            with pytest.raises(device.DeviceUnavailable, match="write 'kind' or 'kind:N'"):
+                ah.best_device(name)
+        return
     try:
         dev = ah.best_device(name or None)
     except device.DeviceUnavailable as e:
