@@ -65,4 +65,4 @@ def test_setup_seeds_and_announces(capsys):
     out = capsys.readouterr().out
     assert "best_device" in out and s.chapter == "95" and results.current_chapter() == "95"
     if s.device.type == "cpu":
-        assert "No GPU or TPU found" in out and s.quick
+        assert "no GPU or TPU found" in out and s.quick
