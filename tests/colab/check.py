@@ -88,7 +88,9 @@ def make_env(kind: str) -> Path:
     constraints.write_text("\n".join(f"{p}=={v}" for p, v in sorted(kept.items())) + "\n")
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     run(pip + shipped + RUNNER + ["-c", str(constraints)])  # the image, as Colab ships it
-    # the course, as the setup cells install it, with Colab's versions as constraints
+    # the course, as the setup cells install it, with Colab's versions as constraints (a fresh install each time:
+    # pip keeps an installed accelhelpers of the same version even when the commit differs)
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "accelhelpers"], check=False)
     run(pip + [local_requirement(setup_requirement()), "-c", str(constraints)])
     stamp.write_text(want)
     return py
