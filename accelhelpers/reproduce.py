@@ -35,7 +35,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from . import checkpoint, train
 from .data import Split, mnist1d
 from .device import hardware_report
 from .models import count_params, udl_mlp, udl_sizes
-from .results import _atomic_write_text
+from .results import _atomic_write_text, atomic_write_bytes
 
 EXPERIMENT = "udlbook-20.2"
 SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
@@ -251,20 +250,6 @@ def summarize(depth: int, st: dict[str, Any], data: Split) -> dict[str, Any]:
                      "test_err": [round(float(v), 3) for v in test]}}
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write bytes through a temporary file in the same folder and a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def figure(result: dict[str, Any], ax: Any = None, label: str | None = None, **style: Any) -> Any:
     """udlbook figure 20.2's plot: % training error against epoch for each depth, log x axis; returns the axes."""
     import matplotlib.pyplot as plt
@@ -308,14 +293,14 @@ def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, set
     paths = _paths(out)
     buf = io.BytesIO()
     np.savez_compressed(buf, **{f"depth{d}": states[d]["extra"]["wrong"].numpy().astype(np.uint16) for d in states})
-    _atomic_write_bytes(paths["npz"], buf.getvalue())
+    atomic_write_bytes(paths["npz"], buf.getvalue())
     ax = figure(result)
     ax.set_title(f"udlbook fig. 20.2 reproduced: full-batch SGD on MNIST-1D\n"
                  f"{_machine(hw)}, {result['created'][:10]}, wall time {result['wall_s'] / 60:.0f} min", fontsize=9)
     buf = io.BytesIO()
     ax.figure.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
-    _atomic_write_bytes(paths["png"], buf.getvalue())
+    atomic_write_bytes(paths["png"], buf.getvalue())
     _atomic_write_text(paths["json"], json.dumps(result, indent=1))
     return result
 

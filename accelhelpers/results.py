@@ -48,19 +48,24 @@ def current_chapter() -> str:
     return _state["chapter"] or "scratch"
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write text through a temporary file and a rename, so readers never see half a file."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write bytes through a temporary file, fsync and a rename, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write text atomically (atomic_write_bytes of its UTF-8 encoding)."""
+    atomic_write_bytes(path, text.encode())
 
 
 def _jsonable(value: Any) -> Any:
