@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import json
 import os
 import time
@@ -11,7 +10,7 @@ from typing import Any
 
 from . import __version__
 from .device import PROFILES, format_report, hardware_report
-from .results import _atomic_write_text, load_results, repo_root
+from .results import atomic_write_text, load_results, repo_root
 
 # The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
 REPO_URL = "https://github.com/accel-course/accel-course"
@@ -148,7 +147,7 @@ def run(profile: str = "quick", only: str | list[str] | None = None, out: Path |
         statuses.append(_run_one(key, nb, out, profile))
     previous = _load_run(out).get("chapters", {}) if (out / "run.json").exists() else {}
     previous.update({s["chapter"]: s for s in statuses})
-    _atomic_write_text(out / "run.json", json.dumps(
+    atomic_write_text(out / "run.json", json.dumps(
         {"profile": profile, "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "hardware": hardware_report(),
          "chapters": dict(sorted(previous.items()))}, indent=1))
     return statuses
@@ -298,70 +297,27 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
         for fig in (f for f in figures if f.name.startswith(f"{key}_")):
             md.append(f"\n![{fig.stem}](results/figures/{fig.name})")
     md_path = out / "report.md"
-    _atomic_write_text(md_path, "\n".join(md) + "\n")
+    atomic_write_text(md_path, "\n".join(md) + "\n")
     html_path = out / "report.html"
-    _atomic_write_text(html_path, _html(run_info, hw, results, figures))
+    atomic_write_text(html_path, _html(run_info, hw, results, figures))
     return md_path, html_path
 
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1040px;margin:2em auto;padding:0 1em;color:#222;
-line-height:1.4}h1{margin-bottom:.2em}.machine{font-size:1.1em;color:#444}
-table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ddd;padding:.35em .7em;text-align:left;
-vertical-align:top}th{background:#f3f3f3}tr:nth-child(even) td{background:#fafafa}.ok{color:#137333}
-.fail{color:#b3261e;font-weight:bold}.failbox{border:2px solid #b3261e;background:#fdecea;padding:.6em 1em}
-pre{background:#f7f7f7;padding:1em;overflow-x:auto}td.num{text-align:right;font-variant-numeric:tabular-nums}
-table#headline td.num{font-weight:bold;font-size:1.1em;white-space:nowrap}.note{color:#666;font-size:.9em}
-.figs{display:flex;flex-direction:column;gap:.8em}.figs img{max-width:100%;border:1px solid #eee}
-details{margin:.3em 0 1em}summary{cursor:pointer;color:#1a73e8}"""
-
-
 def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
-    """The report as one HTML page (figures linked from results/figures)."""
-    e = html.escape
-    chs = run_info["chapters"]
-    total = sum(st["seconds"] for st in chs.values())
-    failed = [k for k, st in chs.items() if not st["ok"]]
-    rows = "".join(
-        f"<tr><td>{k}</td><td><a href='#ch{k}'>{e(TITLES.get(k, s['notebook']))}</a></td>"
-        f"<td class={'ok' if s['ok'] else 'fail'}>{'ok' if s['ok'] else 'FAILED'}</td>"
-        f"<td class=num>{s['seconds']}</td></tr>" for k, s in chs.items())
-    heads = "".join(f"<tr><td><a href='#ch{k}'>{k}</a></td><td>{e(label)}</td><td class=num>{e(value)}</td>"
-                    f"<td class=note>{e(note)}</td></tr>" for k, label, value, note in headlines(results))
-    parts = [f"<!doctype html><html><head><meta charset=utf-8><title>accel-course report</title>"
-             f"<style>{_CSS}</style></head><body><h1>accel-course report</h1>"
-             f"<p class=machine>{e(_machine(hw))}</p>"
-             f"<p>Profile <b>{e(run_info['profile'])}</b>, finished {e(run_info['finished'])}: "
-             f"{len(chs) - len(failed)} of {len(chs)} chapters ran, in {total:.0f} s.</p>"]
-    if failed:
-        parts.append("<div class=failbox><b class=fail>Failed chapters:</b><ul>" + "".join(
-            f"<li><a href='#ch{k}'>{k} · {e(TITLES.get(k, chs[k]['notebook']))}</a>: "
-            f"<code>{e(str(chs[k]['error']))}</code></li>" for k in failed) + "</ul>"
-            "Open the executed notebook in <code>notebooks/</code> beside this report to see the cell that failed."
-            "</div>")
-    parts += [f"<div class=failbox><b>Measured under noise, chapter {k}:</b> {e(v)}. Its timings may not be "
-              "trusted.</div>" for k, v in noisy_chapters(results).items()]
-    parts.append("<h2>Headline results</h2>" + (
-        f"<table id=headline><tr><th>ch.</th><th>result</th><th>value</th><th>note</th></tr>{heads}</table>"
-        if heads else "<p>No headline results were recorded.</p>"))
-    parts.append(f"<h2>Chapters</h2><table id=chapters><tr><th>chapter</th><th>title</th><th>status</th>"
-                 f"<th>seconds</th></tr>{rows}</table><h2>Hardware</h2><pre>{e(format_report(hw))}</pre>")
-    for key, st in chs.items():
-        parts.append(f"<h2 id=ch{key}>{key} · {e(TITLES.get(key, st['notebook']))}</h2>")
-        if not st["ok"]:
-            parts.append(f"<p class=fail>Failed: <code>{e(str(st['error']))}</code></p>")
-        figs = [f for f in figures if f.name.startswith(f"{key}_")]
-        if figs:
-            parts.append("<div class=figs>" + "".join(
-                f"<img src='results/figures/{e(f.name)}' alt='{e(f.stem)}'>" for f in figs) + "</div>")
-        entries = results.get(key, [])
-        if entries:
-            parts.append(f"<details><summary>all {len(entries)} recorded results</summary>"
-                         "<table><tr><th>result</th><th>value</th><th>unit</th><th>note</th></tr>" + "".join(
-                             f"<tr><td>{e(r['name'])}</td><td class=num>{e(_fmt_value(r))}</td>"
-                             f"<td>{e(r['unit'])}</td><td>{e(r['note'])}</td></tr>" for r in entries)
-                         + "</table></details>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    """The report as one HTML page, rendered from templates/report.html.j2 (figures linked from results/figures)."""
+    import jinja2
+
+    chapters = [{"key": k, "title": TITLES.get(k, st["notebook"]), "ok": st["ok"], "error": str(st["error"]),
+                 "seconds": st["seconds"], "figures": [f for f in figures if f.name.startswith(f"{k}_")],
+                 "results": [{**r, "value": _fmt_value(r)} for r in results.get(k, [])]}
+                for k, st in run_info["chapters"].items()]
+    env = jinja2.Environment(loader=jinja2.PackageLoader("accelhelpers", "templates"), autoescape=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    return env.get_template("report.html.j2").render(
+        machine=_machine(hw), profile=run_info["profile"], finished=run_info["finished"], chapters=chapters,
+        n_ok=sum(c["ok"] for c in chapters), failed=[c for c in chapters if not c["ok"]],
+        total_s=sum(c["seconds"] for c in chapters), noisy=list(noisy_chapters(results).items()),
+        headlines=headlines(results), hardware=format_report(hw))
 
 
 # --- the device check: one command that says what an accelerator machine achieved -----------------------------------
@@ -399,7 +355,7 @@ def device_check(out: Path | None = None, record: bool = False, only: str | None
     keys = only or ",".join(k for k in chapters() if k in GPU_CHAPTERS or (k == "07" and hw["best_device"] == "xla"))
     check_args("quick", keys, out)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(out / "hardware.json", json.dumps(hw, indent=1))
+    atomic_write_text(out / "hardware.json", json.dumps(hw, indent=1))
     print(format_report(hw), flush=True)
     bench = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--json",
                             str(out / "bench_fullbatch.json")], text=True)
@@ -526,5 +482,5 @@ def write_readme(readme: Path | None = None, check: bool = False) -> bool:
     new = f"{head}{README_BEGIN}\n{readme_tables()}\n{README_END}{rest.split(README_END, 1)[1]}"
     if check:
         return new == text
-    _atomic_write_text(readme, new)
+    atomic_write_text(readme, new)
     return True

@@ -245,3 +245,35 @@ def test_plain_pytest_nbval_compares_the_quick_cpu_run_on_any_machine(tmp_path):
                         "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "ACCEL_PROFILE": "full", "ACCEL_DEVICE": "cuda"})
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
+
+
+def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_shows(tmp_path):
+    """The page comes from accelhelpers/templates/report.html.j2 (package data, so a wheel carries it); recorded text
+    such as an error message is shown, never interpreted as markup."""
+    import fnmatch
+    import importlib.resources
+    import tomllib
+
+    from accelhelpers import course
+
+    template = importlib.resources.files("accelhelpers") / "templates" / "report.html.j2"
+    assert template.is_file()
+    shipped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert any(fnmatch.fnmatch("templates/report.html.j2", p) for p in shipped["accelhelpers"])
+    out = tmp_path / "build"
+    (out / "results" / "figures").mkdir(parents=True)
+    (out / "results" / "figures" / "01_plot.png").write_bytes(b"")
+    (out / "results" / "01.json").write_text(json.dumps([
+        {"name": "fp32_matmul_peak", "value": 213.0, "unit": "GFLOP/s", "note": "a <b>bold</b> & claim"}]))
+    (out / "run.json").write_text(json.dumps({"profile": "quick", "finished": "now", "hardware": {}, "chapters": {
+        "01": {"chapter": "01", "notebook": "01_x.ipynb", "ok": True, "error": None, "seconds": 1.0},
+        "02": {"chapter": "02", "notebook": "02_x.ipynb", "ok": False, "error": "ValueError: <script>x</script>",
+               "seconds": 2.0}}}))
+    _, html = course.report(out)
+    page = html.read_text()
+    assert page.startswith("<!doctype html>") and "<title>accel-course report</title>" in page
+    assert "1 of 2 chapters ran, in 3 s." in page and "Failed chapters:" in page
+    assert "<script>" not in page and "ValueError: &lt;script&gt;x&lt;/script&gt;" in page
+    assert "a &lt;b&gt;bold&lt;/b&gt; &amp; claim" in page and "<td class=num>213 GFLOP/s</td>" in page
+    assert "<img src='results/figures/01_plot.png' alt='01_plot'>" in page and "all 1 recorded results" in page
+    assert page.count("<h2 id=ch") == 2 and "{{" not in page and "{%" not in page
