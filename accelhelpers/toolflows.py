@@ -2,8 +2,9 @@
 quantization-aware FPGA flow Brevitas -> QONNX -> hls4ml.
 
 Every tool is imported only when a function needs it; a missing one raises `deploy.ToolMissing` with the exact
-install line. LiteRT's converter (litert-torch) cannot share the course's pinned environment: it lives in
-`.venv-edge` (`make venv-edge`), and `litert_convert_int8` runs it there in a subprocess.
+install line (`deploy.have` / `deploy.require` know every tool). LiteRT's converter (litert-torch) cannot share the
+course's pinned environment: it lives in `.venv-edge` (`make venv-edge`), and `litert_convert_int8` runs it there
+in a subprocess.
 """
 
 from __future__ import annotations
@@ -25,39 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .deploy import ToolMissing
-
-EDGE_VENV = ".venv-edge"
-INSTALL_HINTS: dict[str, str] = {
-    "torchao": "pip install 'torchao>=0.14,<0.15' (0.14 is the release built for torch 2.9)",
-    "openvino": "pip install openvino",
-    "nncf": "pip install nncf",
-    "brevitas": "pip install brevitas onnxoptimizer",
-    "onnxoptimizer": "pip install onnxoptimizer (Brevitas' QONNX export needs it)",
-    "qonnx": "pip install qonnx",
-    "hls4ml": "pip install hls4ml",
-    "ai_edge_litert": "pip install ai-edge-litert",
-    "litert_torch": "make venv-edge (litert-torch needs its own environment: it pins typing_extensions and "
-                    "pydantic below the course's and needs torchao >= 0.17)",
-}
-
-
-def have(tool: str) -> bool:
-    """True when the Python package `tool` can be imported here (litert_torch: also from `.venv-edge`)."""
-    if tool not in INSTALL_HINTS:
-        raise ValueError(f"unknown tool {tool!r}: choose one of {', '.join(INSTALL_HINTS)}")
-    if tool == "litert_torch" and edge_python() is not None:
-        return True
-    return importlib.util.find_spec(tool) is not None
-
-
-def require(*tools: str) -> None:
-    """Raise ToolMissing naming every missing tool and its install line (so a notebook can skip a section)."""
-    missing = [t for t in tools if not have(t)]
-    if missing:
-        hints = "; ".join(f"{t}: {INSTALL_HINTS[t]}" for t in missing)
-        raise ToolMissing(f"missing {', '.join(missing)} — {hints}. The rest of the chapter still runs.")
-
+from . import deploy
+from .deploy import ToolMissing, require
 
 # ------------------------------------------------------------------------------------------------- torchao
 TORCHAO_KINDS = ("int8_dynamic", "int8_weight_only", "int4_weight_only")
@@ -168,15 +138,6 @@ def openvino_kernels(compiled: Any) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------ LiteRT (full-integer int8)
-def edge_python(root: str | Path | None = None) -> Path | None:
-    """The Python of `.venv-edge` (made by `make venv-edge`) in the checkout, or None when it does not exist."""
-    from .results import repo_root
-
-    base = Path(root) if root else repo_root()
-    exe = (base / EDGE_VENV / "bin" / "python") if base else None
-    return exe if exe is not None and exe.exists() else None
-
-
 def _litert_convert_here(model: nn.Module, calib_x: np.ndarray, path: Path) -> Path:
     """litert-torch's PT2E route in this process: export, calibrate int8 (weights per channel, activations per
     tensor, static), convert to a .tflite whose every op between the input and output quantizers is int8."""
@@ -239,7 +200,7 @@ def _litert_convert(model: nn.Module, x: np.ndarray, path: Path, timeout: float)
     """The conversion of `litert_convert_int8`, here or in `.venv-edge`."""
     if importlib.util.find_spec("litert_torch") is not None:
         return _litert_convert_here(model, x, path)
-    exe = edge_python()
+    exe = deploy.edge_python()
     if exe is None:
         require("litert_torch")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,30 +30,30 @@ def _needs(*tools):
 # ------------------------------------------------------------------------------------------ missing tools
 def test_unknown_tool_names_the_known_ones():
     with pytest.raises(ValueError, match="torchao"):
-        toolflows.have("tensorflow")
+        ah.deploy.have("tensorflow")
 
 
 def test_a_missing_tool_raises_with_its_exact_install_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ah.deploy.ToolMissing, match=r"missing openvino, nncf — openvino: pip install openvino; "
                                                      r"nncf: pip install nncf\. The rest of the chapter still runs"):
-        toolflows.require("openvino", "nncf")
+        ah.deploy.require("openvino", "nncf")
 
 
 def test_litert_torch_missing_points_at_the_separate_environment(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(toolflows, "edge_python", lambda root=None: None)
-    assert not toolflows.have("litert_torch")
+    monkeypatch.setattr(ah.deploy, "edge_python", lambda root=None: None)
+    assert not ah.deploy.have("litert_torch")
     with pytest.raises(ah.deploy.ToolMissing, match="make venv-edge"):
         toolflows.litert_convert_int8(_mlp(), _x().numpy(), tmp_path / "m.tflite")
 
 
 def test_edge_python_is_none_without_the_environment_and_found_with_it(tmp_path):
-    assert toolflows.edge_python(tmp_path) is None
+    assert ah.deploy.edge_python(tmp_path) is None
     exe = tmp_path / ".venv-edge" / "bin" / "python"
     exe.parent.mkdir(parents=True)
     exe.touch()
-    assert toolflows.edge_python(tmp_path) == exe
+    assert ah.deploy.edge_python(tmp_path) == exe
 
 
 def test_the_module_entry_point_explains_its_usage(capsys):
