@@ -1,6 +1,6 @@
-"""Data parallelism on N processes: gradients all-reduced by hand and by DDP, a torchrun launcher that streams the
-ranks' logs into a notebook (bounded by a timeout), the workers it runs, fastai's and accelerate's distributed
-paths made to run on CPU (gloo), and the batch-size/learning-rate experiment.
+"""Data parallelism on N processes: gradients all-reduced by hand and by DDP, the workers chapter 06 launches
+(through `launch`), fastai's and accelerate's distributed paths made to run on CPU (gloo), and the
+batch-size/learning-rate experiment.
 
 Workers run as `torchrun --nproc-per-node=2 -m accelhelpers.parallel NAME OUT ...` (a function defined in a
 notebook cell cannot be pickled into another process, so every worker lives here).
@@ -11,15 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ck
+from . import launch, timing
 from .faults import finish_distributed, init_distributed
 from .models import mlp
 
-WORKERS = ("equivalence", "ddp_train", "fastai_train", "accelerate_launchers", "fsdp_memory")
-ENV = {"USE_TORCH_XLA": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+WORKERS = ("equivalence", "ddp_train", "fastai_train", "accelerate_launchers", "fsdp_memory", "techniques")
 
 
 # --- launching ---------------------------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """What a launch returned: exit status, everything the ranks printed, and the wall time it took."""
-
-    returncode: int
-    output: str
-    seconds: float
-
 
 def rank_device(nproc: int | None = None) -> str:
     """'cuda' when each of `nproc` ranks (default: WORLD_SIZE) can have a GPU of its own, else 'cpu'.
@@ -63,108 +48,13 @@ def rank_env(nproc: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""} if rank_device(nproc) == "cpu" and torch.cuda.is_available() else {}
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now (for a rendezvous endpoint)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_cmd(worker: str, *args: str, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
-                 rdzv_endpoint: str | None = None) -> list[str]:
-    """The torchrun command line that starts `worker` on `nproc` processes (one node, or one of `nnodes`)."""
+def torchrun(worker: str, *args: object, nproc: int = 2, timeout_s: float = 120.0, echo: bool = True,
+             check: bool = True) -> launch.Run:
+    """Launch a worker of this module on `nproc` ranks (`torchrun --standalone`), streaming its logs."""
     if worker not in WORKERS:
         raise ValueError(f"unknown worker {worker!r}: choose one of {', '.join(WORKERS)}")
-    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ValueError(f"need nproc >= 1, nnodes >= 1 and 0 <= node_rank < nnodes, got nproc={nproc}, "
-                         f"nnodes={nnodes}, node_rank={node_rank}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if nnodes == 1 and rdzv_endpoint is None:
-        cmd.append("--standalone")
-    else:
-        if rdzv_endpoint is None:
-            raise ValueError("several nodes need rdzv_endpoint='HOST:PORT' (the same on every node)")
-        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=accel-course"]
-    return cmd + ["-m", "accelhelpers.parallel", worker, *map(str, args)]
-
-
-def _pump(stream: Any, lines: queue.Queue) -> None:
-    """Copy a child's output lines into a queue (a thread, so the reader can keep a deadline)."""
-    for line in iter(stream.readline, ""):
-        lines.put(line)
-    lines.put(None)
-
-
-def launch(cmd: list[str], timeout_s: float = 120.0, echo: bool = True, check: bool = True,
-           env: dict[str, str] | None = None) -> Run:
-    """Run `cmd` (e.g. torchrun_cmd(...)) in its own process group, printing its output as it arrives; after
-    `timeout_s` kill the whole group and raise TimeoutError, so a stuck rank never hangs the notebook."""
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **ENV, **(env or {})}, start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
-    out: list[str] = []
-    while True:
-        left = timeout_s - (time.perf_counter() - t0)
-        try:
-            line = lines.get(timeout=max(left, 0.01))
-        except queue.Empty:
-            line = ""
-        if line is None:
-            break
-        if line:
-            out.append(line)
-            if echo:
-                print(line, end="", flush=True)
-        if time.perf_counter() - t0 > timeout_s:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise TimeoutError(f"{' '.join(cmd[2:5])}... ran past {timeout_s} s and was killed (a rank is stuck "
-                               f"or the machine is overloaded); last output:\n{''.join(out)[-2000:]}")
-    try:
-        rc = proc.wait(timeout=max(timeout_s - (time.perf_counter() - t0), 0.01))
-    except subprocess.TimeoutExpired:  # closed its output but kept running
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise TimeoutError(f"{' '.join(cmd[2:5])}... ran past {timeout_s} s and was killed") from None
-    run = Run(rc, "".join(out), time.perf_counter() - t0)
-    if check and rc != 0:
-        raise RuntimeError(f"command failed with exit status {rc}; last output:\n{run.output[-3000:]}")
-    return run
-
-
-def torchrun(worker: str, *args: str, nproc: int = 2, timeout_s: float = 120.0, echo: bool = True,
-             check: bool = True) -> Run:
-    """Launch a worker of this module with `torchrun --standalone --nproc-per-node=nproc` and stream its logs."""
-    return launch(torchrun_cmd(worker, *args, nproc=nproc), timeout_s, echo, check, env=rank_env(nproc))
-
-
-def two_nodes(worker: str, *args: str, nproc: int = 1, timeout_s: float = 120.0) -> list[Run]:
-    """Two torchrun launchers on this machine acting as nodes 0 and 1 of one job (c10d rendezvous on
-    127.0.0.1): the multi-node recipe, run for real. Returns each node's Run."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    results: list[Any] = [None, None]
-
-    def node(i: int) -> None:
-        try:
-            results[i] = launch(torchrun_cmd(worker, *args, nproc=nproc, nnodes=2, node_rank=i,
-                                             rdzv_endpoint=endpoint), timeout_s, echo=False)
-        except Exception as e:  # noqa: BLE001  (handed to the caller below)
-            results[i] = e
-
-    threads = [threading.Thread(target=node, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    return results
+    cmd = launch.torchrun_cmd("accelhelpers.parallel", worker, *args, nproc=nproc)
+    return launch.launch(cmd, timeout_s, echo, check, env=rank_env(nproc))
 
 
 # --- data parallelism from first principles ----------------------------------------------------------------------
@@ -383,42 +273,70 @@ def patch_fastai_for_cpu() -> bool:
     return True
 
 
+def _fastai_setup_distrib() -> str:
+    """fastai's `setup_distrib(rank)` as the DDP guide calls it: on GPU ranks it sets the GPU and makes the nccl
+    process group; on CPU ranks it fails at torch.cuda.set_device. Returns what happened, in words."""
+    from fastai.distributed import rank_distrib, setup_distrib
+
+    if rank_device() == "cuda":
+        return f"setup_distrib -> GPU {setup_distrib(int(os.environ.get('LOCAL_RANK', rank_distrib())))}, nccl"
+    try:
+        return f"setup_distrib -> {setup_distrib(rank_distrib())}"
+    except (RuntimeError, AssertionError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
 def fastai_train(out: Path, epochs: int, batch: int, lr: float, patch: bool) -> None:
-    """Worker: a fastai Learner trained with learn.distrib_ctx() (accelerate underneath) on MNIST-1D; rank 0
-    reports the accuracy and whether both ranks ended with identical weights."""
-    rank, world = init_distributed("gloo", 60.0)
-    torch.set_num_threads(1)
-    if patch:
-        patch_fastai_for_cpu()
+    """Worker: fastai's distributed path as its DDP guide writes it: setup_distrib, `bs = batch * num_distrib()`,
+    `learn.to_distributed()` (accelerate underneath), rank_distrib() == 0 reports; on MNIST-1D. Rank 0 records
+    the accuracy, the batch each rank and all ranks together saw per step, and whether the ranks agree."""
     import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
+    from fastai.callback.core import Callback
     from fastai.data.core import DataLoaders
-    from fastai.distributed import rank_distrib
+    from fastai.distributed import num_distrib, rank_distrib
     from fastai.learner import Learner
     from fastai.metrics import accuracy as fa_accuracy
     from torch.utils.data import TensorDataset
 
     from .data import mnist1d
 
+    setup = _fastai_setup_distrib()
+    rank, world = init_distributed("gloo", 60.0)  # on CPU ranks: the group setup_distrib could not make
+    torch.set_num_threads(1)
+    if patch:
+        patch_fastai_for_cpu()
+
+    class BatchSizes(Callback):
+        def before_fit(self) -> None:
+            self.sizes: list[int] = []
+
+        def after_batch(self) -> None:
+            if self.training:
+                self.sizes.append(len(self.yb[0]))
+
+    bs = batch * num_distrib()  # the guide's line; fastai's bs is per process
     data = mnist1d()
     dls = DataLoaders.from_dsets(TensorDataset(data.x_train, data.y_train), TensorDataset(data.x_test, data.y_test),
-                                 bs=batch, device="cpu")
+                                 bs=bs, device="cpu")
     torch.manual_seed(0)
-    learn = Learner(dls, mlp([40, 128, 128, 10]), loss_func=nn.CrossEntropyLoss(), metrics=fa_accuracy)
-    try:
-        # accelerate treats a GPU-less process as not distributed unless told cpu=True (then it uses gloo)
-        with learn.distrib_ctx(cpu=rank_device(world) == "cpu"), learn.no_bar():
-            learn.fit(epochs, lr)
-    except Exception as e:
-        if rank == 0:
-            (out / "fastai.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        raise
+    sizes = BatchSizes()
+    learn = Learner(dls, mlp([40, 128, 128, 10]), loss_func=nn.CrossEntropyLoss(), metrics=fa_accuracy, cbs=sizes)
+    # accelerate treats a GPU-less process as not distributed unless told cpu=True (then it uses gloo)
+    learn.to_distributed(cpu=rank_device(world) == "cpu")
+    with learn.no_bar():
+        learn.fit(epochs, lr)
+    learn.detach_distributed()
     flat = torch.cat([p.detach().flatten() for p in learn.model.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
+    step_batch = torch.tensor(sizes.sizes[0])
+    dist.all_reduce(step_batch)
     if rank_distrib() == 0:
         acc = accuracy(learn.model, data.x_test, data.y_test)
-        res = {"world": world, "accuracy": acc, "ranks_equal": all(torch.equal(g, flat) for g in gathered)}
-        print(f"[rank0] fastai distrib_ctx on {world} processes: accuracy {acc:.3f}", flush=True)
+        res = {"world": world, "accuracy": acc, "ranks_equal": all(torch.equal(g, flat) for g in gathered),
+               "setup_distrib": setup, "num_distrib": num_distrib(), "bs": bs, "rank_batch": sizes.sizes[0],
+               "global_batch": int(step_batch), "steps_per_epoch": len(sizes.sizes) // epochs}
+        print(f"[rank0] fastai to_distributed on {world} processes: accuracy {acc:.3f}", flush=True)
         (out / "fastai.json").write_text(json.dumps(res))
     finish_distributed()
 
@@ -448,7 +366,7 @@ def accelerate_launchers(out: Path, nproc: int) -> None:
     from accelerate import debug_launcher, notebook_launcher
 
     notebook_launcher(accelerate_worker, args=(str(out), "notebook_launcher"), num_processes=nproc,
-                      use_port=str(free_port()))
+                      use_port=str(launch.free_port()))
     debug_launcher(accelerate_worker, args=(str(out), "debug_launcher"), num_processes=nproc)
 
 
@@ -492,6 +410,219 @@ def fsdp_memory(out: Path, width: int) -> None:
               f"FSDP2 {res['fsdp']['param_bytes']}", flush=True)
         (out / "fsdp.json").write_text(json.dumps(res))
     finish_distributed()
+
+
+# --- chapter 06's techniques, measured in one launch (each launch costs seconds of start-up) ---------------------
+
+def amp_step(ddp: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, xb: torch.Tensor,
+             yb: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """One DDP step under autocast(`dtype`; None: fp32): forward and loss in autocast, backward (DDP's all-reduce)
+    and step outside it, through `scaler` (enabled for fp16 only: bf16 has fp32's range and needs no scaling)."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(xb.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = F.cross_entropy(ddp(xb), yb)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+def amp_ddp(steps: int, batch: int, width: int, rounds: int) -> dict[str, Any]:
+    """DDP on MNIST-1D in fp32 and under autocast (bf16 on CPU ranks, fp16 + GradScaler on GPU ranks): final
+    test accuracy of each, the gradients' dtype, and the step time of each (interleaved rounds)."""
+    from .data import mnist1d
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if rank_device() == "cuda" else torch.device("cpu")
+    low = torch.float16 if dev.type == "cuda" else torch.bfloat16
+    data, rank = mnist1d(), dist.get_rank()
+    x, y = data.x_train.to(dev), data.y_train.to(dev)
+    xb, yb = x[:batch], y[:batch]
+    res: dict[str, Any] = {"dtype": str(low).removeprefix("torch."), "device": dev.type}
+    steppers = {}
+    for name, dtype in (("fp32", None), ("amp", low)):
+        torch.manual_seed(0)
+        model = mlp([40, width, width, 10]).to(dev)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        scaler = torch.amp.GradScaler(dev.type, enabled=dtype == torch.float16)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            idx = torch.randint(0, len(x), (batch,), generator=g).to(dev)
+            amp_step(ddp, opt, scaler, x[idx], y[idx], dtype)
+        res[name] = {"accuracy": accuracy(model, data.x_test.to(dev), data.y_test.to(dev)),
+                     "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch."),
+                     "scaler_enabled": scaler.is_enabled()}
+        steppers[name] = (lambda d=ddp, o=opt, s=scaler, t=dtype: amp_step(d, o, s, xb, yb, t))
+    times = timing.interleaved(steppers, dev, rounds=rounds, min_time=0)  # min_time=0: the same calls on every rank
+    for name, t in times.items():
+        res[name]["step_ms"] = 1e3 * t.median
+    return res
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; a step uses one head, so the other head's parameters get no gradient."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.trunk = mlp([40, width, width])
+        self.heads = nn.ModuleDict({"a": nn.Linear(width, 10), "b": nn.Linear(width, 10)})
+
+    def forward(self, x: torch.Tensor, head: str = "a") -> torch.Tensor:
+        return self.heads[head](F.relu(self.trunk(x)))
+
+
+def _two_head_steps(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, head: str = "a") -> None:
+    """`steps` SGD steps through one head of a DDP-wrapped TwoHeads (plain SGD: unused parameters stay put)."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x, head), y).backward()
+        opt.step()
+
+
+def unused_parameters(x: torch.Tensor, y: torch.Tensor, rounds: int) -> dict[str, Any]:
+    """DDP and a model whose step leaves a head unused: the error without find_unused_parameters, success with it
+    or with static_graph, and the step time of each option on a model that uses all its parameters."""
+    res: dict[str, Any] = {}
+    torch.manual_seed(0)
+    try:
+        _two_head_steps(nn.parallel.DistributedDataParallel(TwoHeads()), x, y, 2)
+        res["default"] = "no error"
+    except RuntimeError as e:
+        res["default"] = str(e)
+    for flag in ("find_unused_parameters", "static_graph"):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(TwoHeads(), **{flag: True})
+        _two_head_steps(ddp, x, y, 3)
+        res[flag] = "trained 3 steps"
+    steppers = {}
+    for name, kw in (("default", {}), ("find_unused_parameters", {"find_unused_parameters": True}),
+                     ("static_graph", {"static_graph": True})):
+        torch.manual_seed(0)
+        full = nn.parallel.DistributedDataParallel(mlp([40, 256, 256, 256, 10]), **kw)
+        opt = torch.optim.SGD(full.parameters(), lr=0.01)
+        steppers[name] = (lambda d=full, o=opt: (o.zero_grad(), F.cross_entropy(d(x), y).backward(), o.step()))
+    res["step_ms"] = {k: 1e3 * t.median for k, t in timing.interleaved(steppers, rounds=rounds, min_time=0).items()}
+    return res
+
+
+def allreduce_sweep(sizes: list[int], reps: int) -> dict[str, Any]:
+    """Median seconds of an all-reduce (sum, float32) of each message size in bytes, every rank taking part."""
+    out = {}
+    for n in sizes:
+        t = torch.ones(n // 4)
+        for _ in range(2):
+            dist.all_reduce(t)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        out[str(n)] = statistics.median(times)
+    return {"world": dist.get_world_size(), "seconds": out}
+
+
+def bus_bandwidth(nbytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algorithm, bus) bandwidth in bytes/s of an all-reduce, as nccl-tests define them: algbw = bytes / time;
+    busbw = algbw * 2(N-1)/N, the bytes each link carries in a ring, comparable with the link's speed."""
+    alg = nbytes / seconds
+    return alg, alg * 2 * (world - 1) / world
+
+
+def ring_allreduce_seconds(nbytes: int, world: int, bandwidth: float, latency: float = 0.0) -> float:
+    """A ring all-reduce's time: 2(N-1) steps of nbytes/N each (reduce-scatter, then all-gather) over links of
+    `bandwidth` bytes/s, plus a fixed `latency` per call: 2(N-1)/N * nbytes / bandwidth + latency."""
+    return 2 * (world - 1) / world * nbytes / bandwidth + latency
+
+
+def _stage(width: int, depth: int, seed: int) -> nn.Sequential:
+    """One pipeline stage: `depth` Linear+ReLU layers of `width` (seeded so a rerun builds the same stage)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+
+
+def gpipe_step(stage: nn.Module, x: torch.Tensor, micro: int) -> tuple[float, float]:
+    """One GPipe step on 2 ranks (rank 0: first stage, rank 1: second stage and the loss): all micro-batches
+    forward, then all backward, activations and their gradients sent between the ranks. Returns (wall seconds,
+    seconds this rank computed); the rest of the wall time it waited: the bubble."""
+    rank, busy = dist.get_rank(), 0.0
+    chunks = x.chunk(micro)
+    dist.barrier()
+    t0 = time.perf_counter()
+    outs, ins = [], []
+    for c in chunks:  # forward
+        if rank == 0:
+            t = time.perf_counter()
+            a = stage(c)
+            busy += time.perf_counter() - t
+            dist.send(a.detach(), 1)
+            outs.append(a)
+        else:
+            a = torch.empty_like(c)
+            dist.recv(a, 0)
+            a.requires_grad_(True)
+            t = time.perf_counter()
+            outs.append(stage(a).square().mean())
+            busy += time.perf_counter() - t
+            ins.append(a)
+    for i in range(micro):  # backward
+        if rank == 1:
+            t = time.perf_counter()
+            outs[i].backward()
+            busy += time.perf_counter() - t
+            dist.send(ins[i].grad, 0)
+        else:
+            g = torch.empty_like(outs[i])
+            dist.recv(g, 1)
+            t = time.perf_counter()
+            outs[i].backward(g)
+            busy += time.perf_counter() - t
+    dist.barrier()
+    return time.perf_counter() - t0, busy
+
+
+def pipeline_bubble(micro_batches: list[int], batch: int, width: int, depth: int, reps: int) -> dict[str, Any]:
+    """For each number of micro-batches m: median wall time of a GPipe step and the fraction of it this rank sat
+    idle (measured bubble), to set against the theory (p-1)/(m+p-1) for p = 2 stages."""
+    stage = _stage(width, depth, seed=dist.get_rank())
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0))
+    res = {}
+    for m in micro_batches:
+        gpipe_step(stage, x, m)  # warm-up
+        runs = [gpipe_step(stage, x, m) for _ in range(reps)]
+        wall = statistics.median(w for w, _ in runs)
+        idle = statistics.median(1 - b / w for w, b in runs)
+        res[str(m)] = {"step_ms": 1e3 * wall, "bubble": idle, "theory": 1 / (m + 1)}
+    return res
+
+
+def techniques(out: Path, steps: int, rounds: int) -> None:
+    """Worker: AMP inside DDP, find_unused_parameters / static_graph, an all-reduce sweep over message sizes and
+    GPipe micro-batch pipelining, in one launch; rank 0 writes techniques.json (its view; pipeline: both ranks)."""
+    from .data import mnist1d
+
+    rank, world = init_distributed("gloo", 120.0)
+    torch.set_num_threads(1)
+    data = mnist1d()
+    res: dict[str, Any] = {"world": world, "amp": amp_ddp(steps, 64, 256, rounds)}
+    res["unused"] = unused_parameters(data.x_train[:256], data.y_train[:256], rounds)
+    res["allreduce"] = allreduce_sweep([4**k for k in range(5, 13)], reps=rounds + 4)
+    if world == 2:
+        mine = pipeline_bubble([1, 2, 4, 8], batch=512, width=512, depth=4, reps=rounds)
+        both: list[Any] = [None] * world
+        dist.all_gather_object(both, mine)
+        res["pipeline"] = both
+    if rank == 0:
+        (out / "techniques.json").write_text(json.dumps(res))
+        print(f"[rank0] techniques done: AMP {res['amp']['dtype']}, find_unused, all-reduce sweep, pipeline",
+              flush=True)
+    finish_distributed()
+
+
+def spawn_hello(rank: int, world: int) -> None:
+    """A function mp.spawn can start: it lives in an importable module, so the children can unpickle it."""
+    print(f"spawned process {rank} of {world}: found accelhelpers.parallel.spawn_hello", flush=True)
 
 
 # --- batch size and learning rate ------------------------------------------------------------------------------------
@@ -547,6 +678,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bench-batches", type=lambda v: [int(b) for b in v.split(",")], default=None)
     p.add_argument("--no-patch", action="store_true")
     a = p.parse_args(argv)
@@ -559,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
         fastai_train(a.out, a.epochs, a.batch, a.lr, not a.no_patch)
     elif a.name == "accelerate_launchers":
         accelerate_launchers(a.out, a.nproc)
+    elif a.name == "techniques":
+        techniques(a.out, a.steps, a.rounds)
     else:
         fsdp_memory(a.out, a.width)
 

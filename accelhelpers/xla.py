@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -16,11 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from . import launch
 from .device import tpu_present, xla_installed
 
 INSTALL_FIX = "pip install torch=={v} 'torch_xla[tpu]=={v}'"
@@ -243,52 +242,9 @@ def launch_demo(devices: int = 2, all_reduce: bool = False, timeout: float = 60.
         raise ValueError("launch_demo needs devices >= 1")
     if not xla_installed():
         raise RuntimeError(version_fix(torch.__version__, None))
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONUNBUFFERED": "1"}
-    for key in ("PT_XLA_DEBUG_LEVEL", "PT_XLA_DEBUG_FILE"):
-        env.pop(key, None)
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PT_XLA_DEBUG_LEVEL": None,
+           "PT_XLA_DEBUG_FILE": None}
     code = f"from accelhelpers.xla import _launch_main; _launch_main({bool(all_reduce)})"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    return _collect(proc, timeout, stop_on)
-
-
-def _collect(proc: subprocess.Popen, timeout: float, stop_on: str) -> tuple[int | None, str]:
-    """Read a child's output line by line; stop it at `stop_on` or `timeout` (exit code None then)."""
-    import queue
-    import threading
-
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    out: list[str] = []
-    deadline, stopped = time.monotonic() + timeout, False
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            stopped = True
-            break
-        if line is None:
-            break
-        out.append(line)
-        if stop_on and stop_on in line:
-            stopped = True
-            break
-    if stopped:
-        proc.kill()
-    proc.wait()
-    return (None if stopped else proc.returncode), "".join(out)
-
-
-def summarize(result: Counted, steps: int) -> dict[str, Any]:
-    """The counts of a counted run plus per-step figures (executions and host transfers per step)."""
-    if result.delta is None or steps < 1:
-        raise ValueError("summarize needs a finished counting() block and steps >= 1")
-    d = result.delta
-    return {**d.counts(), "steps": steps, "executions_per_step": d.executions / steps,
-            "to_host_per_step": d.to_host / steps}
+    run = launch.launch([sys.executable, "-c", code], timeout, echo=False, check=False, env=env,
+                        stop_on=stop_on or None, stop_ok=True)
+    return run.returncode, run.output

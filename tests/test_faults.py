@@ -21,7 +21,7 @@ from torch import nn
 
 import accelhelpers as ah
 from accelhelpers import checkpoint as ck
-from accelhelpers import course, data, device, faults, models, results, timing
+from accelhelpers import course, data, device, faults, launch, models, results, timing
 from conftest import compat_teardown_abort
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,27 +51,23 @@ def test_check_finite_in_one_process_names_the_step():
 
 # --- processes under torchrun (2 gloo ranks on the CPU), each bounded by a timeout -------------------------------
 
+SCRIPT = ROOT / "tests" / "rank_scripts" / "ddp_faults.py"
+
+
 def torchrun(*args: str, restarts: int = 0) -> subprocess.Popen:
-    """Start `torchrun --standalone --nproc-per-node=2 -m accelhelpers.workers ...` in its own process group."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           f"--max-restarts={restarts}", "-m", "accelhelpers.workers", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    """Start `torchrun --standalone --nproc-per-node=2 tests/rank_scripts/ddp_faults.py ...` in its own group."""
+    return launch.start(launch.torchrun_cmd(SCRIPT, *args, nproc=2, max_restarts=restarts))
 
 
 def finish(proc: subprocess.Popen, timeout: float, rerun: bool = True) -> tuple[int, str]:
-    """Wait for a torchrun started above; kill its whole process group and fail if it outlives `timeout`."""
+    """Wait for a torchrun started above; its whole process group is killed and the test fails past `timeout`."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun hung for more than {timeout} s:\n{out[-3000:]}")
-    if rerun and proc.returncode != 0 and compat_teardown_abort(out):  # the known torch 2.14 exit-time abort
-        again = subprocess.Popen(proc.args, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, start_new_session=True)
-        return finish(again, timeout, rerun=False)
-    return proc.returncode, out
+        run = launch.finish(proc, timeout, echo=False, check=False)
+    except TimeoutError as e:
+        pytest.fail(f"torchrun hung for more than {timeout} s: {e}")
+    if rerun and run.returncode != 0 and compat_teardown_abort(run.output):  # the known torch 2.14 exit-time abort
+        return finish(launch.start(proc.args), timeout, rerun=False)
+    return run.returncode, run.output
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +75,11 @@ def jobs(tmp_path_factory):
     """Every torchrun job of this file, started at once (they mostly wait on each other, so this saves time)."""
     d = tmp_path_factory.mktemp("torchrun")
     started = {
-        "nan": torchrun("ddp_nonfinite", str(d / "nan"), "--steps", "6", "--bad-rank", "1", "--bad-step", "3",
+        "nan": torchrun("nonfinite", str(d / "nan"), "--steps", "6", "--bad-rank", "1", "--bad-step", "3",
                         "--timeout", "60"),
-        **{f: torchrun("ddp_peer", str(d / f), "--fault", f, "--timeout", "3") for f in ("exit", "hang", "kill")},
-        "straight": torchrun("ddp_train", str(d / "straight"), "--steps", "10", "--timeout", "60"),
-        "crashed": torchrun("ddp_train", str(d / "crashed"), "--steps", "10", "--crash-at", "5", "--timeout", "60",
+        **{f: torchrun("peer", str(d / f), "--fault", f, "--timeout", "3") for f in ("exit", "hang", "kill")},
+        "straight": torchrun("train", str(d / "straight"), "--steps", "10", "--timeout", "60"),
+        "crashed": torchrun("train", str(d / "crashed"), "--steps", "10", "--crash-at", "5", "--timeout", "60",
                             restarts=1),
     }
     yield d, started, time.perf_counter()
@@ -300,7 +296,7 @@ def test_bad_input_not_checked_yet(name, call, exc, message):
 def test_an_unknown_profile_name_is_refused(monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", "fast")
     with pytest.raises(ValueError, match="ACCEL_PROFILE='fast' is not a profile: choose one of quick, full"):
-        ah.profile()
+        ah.run_profile()
 
 
 # --- the course runner -------------------------------------------------------------------------------------------
@@ -416,7 +412,7 @@ def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch
 def test_property_profile_is_valid_or_refused(value, monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", value)
     try:
-        assert ah.profile() in ("quick", "full")
+        assert ah.run_profile() in ("quick", "full")
     except ValueError as e:
         assert "ACCEL_PROFILE" in str(e) and "choose one of quick, full" in str(e)
 

@@ -1,0 +1,140 @@
+"""Starting processes from a notebook: free ports, torchrun command lines (a module's worker or a script), output
+streamed into the cell as it arrives, and a deadline that kills the whole process group, so a stuck rank never
+hangs the kernel. `parallel` (chapter 06) and `xla` (chapter 07) launch through here; so can tests."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+# every child: accelerate kept off XLA, output unbuffered, one torch thread per process (ranks share the cores)
+ENV = {"USE_TORCH_XLA": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Run:
+    """What a launch returned: exit status (None when stopped at a marker or the deadline), output, wall time."""
+
+    returncode: int | None
+    output: str
+    seconds: float
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a rendezvous endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def python_target(target: str | Path) -> list[str]:
+    """How Python runs `target`: a script path (ending in .py) as itself, anything else as `-m module`."""
+    return [str(target)] if str(target).endswith(".py") else ["-m", str(target)]
+
+
+def torchrun_cmd(target: str | Path, *args: object, nproc: int = 2, nnodes: int = 1, node_rank: int = 0,
+                 rdzv_endpoint: str | None = None, max_restarts: int = 0) -> list[str]:
+    """The torchrun command line that starts `target` (a module or a .py script) on `nproc` processes per node."""
+    if nproc < 1 or nnodes < 1 or not 0 <= node_rank < nnodes or max_restarts < 0:
+        raise ValueError(f"need nproc >= 1, nnodes >= 1, 0 <= node_rank < nnodes and max_restarts >= 0, got "
+                         f"nproc={nproc}, nnodes={nnodes}, node_rank={node_rank}, max_restarts={max_restarts}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ValueError("several nodes need rdzv_endpoint='HOST:PORT' (the same on every node)")
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=accel-course"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
+    return cmd + python_target(target) + [str(a) for a in args]
+
+
+def start(cmd: list[str], env: dict[str, str | None] | None = None) -> subprocess.Popen:
+    """Start `cmd` in a new process group (so it can be killed whole), stdout and stderr merged, as text; `env`
+    adds to this environment and ENV (a value None removes that variable)."""
+    merged = {**os.environ, **ENV, **(env or {})}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={k: v for k, v in merged.items() if v is not None}, start_new_session=True)
+
+
+def _pump(stream: IO[str], lines: queue.Queue) -> None:
+    """Copy a child's output lines into a queue (a thread, so the reader can keep a deadline)."""
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+    lines.put(None)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole process group (torchrun's ranks included) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | None) -> tuple[list[str], str]:
+    """Lines until the output ends ('eof'), a line holds `stop_on` ('marker') or the deadline passes ('deadline')."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+    out: list[str] = []
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            return out, "deadline"
+        if line is None:
+            return out, "eof"
+        out.append(line)
+        if echo:
+            print(line, end="", flush=True)
+        if stop_on and stop_on in line:
+            return out, "marker"
+        if time.monotonic() > deadline:
+            return out, "deadline"
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, check: bool = True,
+           stop_on: str | None = None, stop_ok: bool = False) -> Run:
+    """Stream a started child's output until it exits; at a `stop_on` line, or past `timeout_s`, kill its group.
+
+    Past the deadline: TimeoutError, or with `stop_ok` a Run whose returncode is None; a nonzero exit with `check`:
+    RuntimeError with the last output."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    t0 = time.monotonic()
+    out, why = _read(proc, t0 + timeout_s, echo, stop_on)
+    if why == "eof":
+        try:
+            proc.wait(timeout=max(t0 + timeout_s - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:  # closed its output but kept running
+            why = "deadline"
+    if why != "eof":
+        _kill(proc)
+    run = Run(proc.returncode if why == "eof" else None, "".join(out), time.monotonic() - t0)
+    if why == "deadline" and not stop_ok:
+        name = " ".join(map(str, proc.args[1:6])) if isinstance(proc.args, list) else str(proc.args)
+        raise TimeoutError(f"{name}... ran past {timeout_s} s and was killed (a rank is stuck or the machine is "
+                           f"overloaded); last output:\n{run.output[-2000:]}")
+    if check and run.returncode not in (0, None):
+        raise RuntimeError(f"command failed with exit status {run.returncode}; last output:\n{run.output[-3000:]}")
+    return run
+
+
+def launch(cmd: list[str], timeout_s: float = 120.0, echo: bool = True, check: bool = True,
+           env: dict[str, str | None] | None = None, stop_on: str | None = None, stop_ok: bool = False) -> Run:
+    """Run `cmd` (e.g. torchrun_cmd(...)) to the end, printing its output as it arrives (see `finish`)."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    return finish(start(cmd, env), timeout_s, echo, check, stop_on, stop_ok)

@@ -1,0 +1,64 @@
+"""Starting processes from a notebook: command lines, streamed output, deadlines that kill the whole process group,
+stopping at a marker line, free ports."""
+
+import socket
+import sys
+import time
+
+import pytest
+
+from accelhelpers import launch
+
+
+def test_torchrun_cmd_for_a_module_or_a_script_on_one_or_several_nodes_and_bad_input():
+    cmd = launch.torchrun_cmd("accelhelpers.parallel", "equivalence", "out", "--steps", 3, nproc=2)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    assert cmd[5:] == ["-m", "accelhelpers.parallel", "equivalence", "out", "--steps", "3"]
+    script = launch.torchrun_cmd("tests/rank_scripts/x.py", "a", max_restarts=1)
+    assert script[-3:] == ["--max-restarts=1", "tests/rank_scripts/x.py", "a"]
+    multi = launch.torchrun_cmd("m", nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29400")
+    assert "--node-rank=1" in multi and "--rdzv-backend=c10d" in multi and "--standalone" not in multi
+    with pytest.raises(ValueError, match="node_rank"):
+        launch.torchrun_cmd("m", nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+    with pytest.raises(ValueError, match="rdzv_endpoint"):
+        launch.torchrun_cmd("m", nnodes=2)
+    with pytest.raises(ValueError, match="nproc >= 1"):
+        launch.torchrun_cmd("m", nproc=0)
+
+
+def test_launch_streams_output_sets_the_environment_and_reports_failure(capsys):
+    code = "import os; print('hello'); print(os.environ['USE_TORCH_XLA'], os.environ.get('GONE'))"
+    run = launch.launch([sys.executable, "-c", code], 30, env={"GONE": None})
+    assert run.returncode == 0 and run.output.split() == ["hello", "0", "None"] and run.seconds > 0
+    assert "hello" in capsys.readouterr().out  # echoed as it arrived
+    with pytest.raises(RuntimeError, match="exit status 3"):
+        launch.launch([sys.executable, "-c", "import sys; print('bad'); sys.exit(3)"], 30, echo=False)
+    assert launch.launch([sys.executable, "-c", "raise SystemExit(3)"], 30, echo=False, check=False).returncode == 3
+    with pytest.raises(ValueError, match="timeout_s"):
+        launch.launch(["true"], 0)
+
+
+def test_a_deadline_kills_the_whole_group_even_a_silent_child():
+    with pytest.raises(TimeoutError, match="ran past 1"):
+        launch.launch([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"], 1, echo=False)
+    with pytest.raises(TimeoutError, match="ran past 1"):  # silent and with its output closed: still killed
+        launch.launch([sys.executable, "-c", "import os, time; os.close(1); os.close(2); time.sleep(60)"], 1,
+                      echo=False)
+    run = launch.launch([sys.executable, "-c", "import time; print('a', flush=True); time.sleep(60)"], 1, echo=False,
+                        stop_ok=True)
+    assert run.returncode is None and run.output == "a\n"
+
+
+def test_stop_on_a_marker_kills_the_child_and_its_children():
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print('a', flush=True); print('STOP here', flush=True); time.sleep(30); print('never')")
+    t0 = time.monotonic()
+    proc = launch.start([sys.executable, "-c", code])
+    run = launch.finish(proc, 20, echo=False, stop_on="STOP")
+    assert run.returncode is None and "STOP here" in run.output and "never" not in run.output
+    assert time.monotonic() - t0 < 15
+
+
+def test_free_port_is_bindable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", launch.free_port()))
