@@ -15,7 +15,7 @@ from .device import (
     format_report,
     hardware_report,
     in_colab,
-    profile,
+    run_profile,
     sync,
 )
 from .models import count_params, udl_mlp, udl_sizes
@@ -27,8 +27,8 @@ __version__ = "0.2.0"
 __all__ = [
     "DeviceUnavailable", "Setup", "Split", "Timing", "available_devices", "benchmark", "best_device",
     "count_params", "digits", "format_report", "fraction_of_peak", "hardware_report", "in_colab",
-    "measure_peaks", "mlp_flops", "mnist1d", "profile", "progress", "record", "results_dir", "save_figure",
-    "seed_everything", "setup", "sync", "udl_mlp", "udl_sizes",
+    "measure_peaks", "mlp_flops", "mnist1d", "progress", "record", "results_dir", "run_profile",
+    "save_figure", "seed_everything", "setup", "sync", "udl_mlp", "udl_sizes",
 ]
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from .device import as_device
+from .results import atomic_write_bytes
 
 
 @dataclass
@@ -58,15 +61,10 @@ def cache_dir() -> Path:
 
 
 def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
-    """Write an .npz through a temporary file in the same folder, then rename: never a half-written cache."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp.npz")
-    os.close(fd)
-    try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write an .npz atomically (results.atomic_write_bytes): never a half-written cache."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _generate_mnist1d(seed: int) -> dict[str, np.ndarray]:
@@ -115,3 +113,22 @@ def digits(device: torch.device | str = "cpu", test_size: float = 0.2, seed: int
                                           stratify=d.target)
     return Split(torch.from_numpy(xtr), torch.from_numpy(ytr).long(), torch.from_numpy(xte),
                  torch.from_numpy(yte).long()).to(device)
+
+
+def fastai_dls(split: Split, bs: int = 64, shuffle: bool = True, seed: int | None = None) -> Any:
+    """fastai DataLoaders (train, valid) over a Split's tensors: no download, no transforms, and a scratch `path`
+    so that `lr_find` does not leave a models/ folder in the working directory."""
+    import fastai.callback.progress  # noqa: F401  (patches Learner with no_bar)
+    import fastai.callback.schedule  # noqa: F401  (patches Learner with fit_one_cycle and lr_find)
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+
+    if bs < 1:
+        raise ValueError(f"batch size must be >= 1, got {bs}")
+    train_ds = list(zip(split.x_train, split.y_train, strict=True))
+    valid_ds = list(zip(split.x_test, split.y_test, strict=True))
+    train_dl = DataLoader(train_ds, bs=bs, shuffle=shuffle, drop_last=False)
+    if seed is not None:
+        train_dl.rng.seed(seed)
+    scratch = Path(tempfile.gettempdir()) / "accel-course-fastai"   # lr_find saves weights under path/models
+    return DataLoaders(train_dl, DataLoader(valid_ds, bs=max(bs, 512)), path=scratch, device=split.device)

@@ -146,7 +146,7 @@ def choose_profile(asked: str | None = None, device_kind: str | None = None) -> 
     return "quick" if (device_kind or available_devices()[0]) == "cpu" else "full"
 
 
-def profile() -> str:
+def run_profile() -> str:
     """The run profile from the environment: ACCEL_PROFILE if set, else 'full' with an accelerator."""
     return choose_profile(None)
 
@@ -195,7 +195,7 @@ def hardware_report() -> dict[str, Any]:
         report.update(_gpu_info())
     report["best_device"] = report["devices"][0]
     try:
-        report["profile"] = profile()
+        report["profile"] = run_profile()
     except ValueError as e:
         report["profile"] = f"invalid ({e})"
     return report

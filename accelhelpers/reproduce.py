@@ -43,11 +43,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, train
+from . import checkpoint, metrics, train
 from .data import Split, mnist1d
 from .device import hardware_report
 from .models import count_params, udl_mlp, udl_sizes
-from .results import _atomic_write_text, atomic_write_bytes
+from .results import atomic_write_bytes, atomic_write_text
 
 EXPERIMENT = "udlbook-20.2"
 SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
@@ -113,7 +113,7 @@ def _lock(out: Path, depth: int) -> Path:
         if pid and pid != os.getpid() and _alive(pid):
             raise ValueError(f"depth {depth} in {out} is being trained by process {pid}: wait for it or stop it "
                              f"(kill -INT {pid}), then --resume")
-    _atomic_write_text(path, str(os.getpid()))
+    atomic_write_text(path, str(os.getpid()))
     return path
 
 
@@ -193,7 +193,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
         e = end
         now = time.perf_counter()
         if now - last_note > 5:
-            _atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": e, "epochs": epochs}))
+            atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": e, "epochs": epochs}))
             last_note = now
         if e < epochs and (_Stop.requested or now - last_save > checkpoint_s):
             save(e)
@@ -201,7 +201,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
             if _Stop.requested:
                 raise KeyboardInterrupt
     final = save(epochs)
-    _atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": epochs, "epochs": epochs}))
+    atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": epochs, "epochs": epochs}))
     return final
 
 
@@ -236,7 +236,7 @@ def summarize(depth: int, st: dict[str, Any], data: Split) -> dict[str, Any]:
     model = model_for(depth)
     model.load_state_dict(st["model"])
     with torch.no_grad():
-        final_test = float(train.error_percent(model(data.x_test), data.y_test))
+        final_test = float(metrics.error_percent(model(data.x_test), data.y_test))
     test = ex["test_err"].numpy()
     return {"depth": depth, "hidden": udl_sizes(depth)[1], "sizes": udl_sizes(depth),
             "params": count_params(udl_mlp(depth)), "epochs": epochs, "seed": depth,
@@ -301,7 +301,7 @@ def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, set
     ax.figure.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
     atomic_write_bytes(paths["png"], buf.getvalue())
-    _atomic_write_text(paths["json"], json.dumps(result, indent=1))
+    atomic_write_text(paths["json"], json.dumps(result, indent=1))
     return result
 
 

@@ -63,7 +63,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.remove(tmp)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     """Write text atomically (atomic_write_bytes of its UTF-8 encoding)."""
     atomic_write_bytes(path, text.encode())
 
@@ -95,7 +95,7 @@ def record(name: str, value: Any, unit: str = "", note: str = "", spread: tuple[
         entry["spread"] = [_jsonable(spread[0]), _jsonable(spread[1])]
         entry["repeats"] = repeats
     entries.append(entry)
-    _atomic_write_text(path, json.dumps(entries, indent=1))
+    atomic_write_text(path, json.dumps(entries, indent=1))
     return value
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +28,21 @@ def progress(items: Iterable[T], desc: str | bool | None = None, **kw: Any) -> I
 
     label = desc if isinstance(desc, str) else None
     return tqdm(items, desc=label, leave=False, mininterval=0.5, **kw)
+
+
+@contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """Run the block with `n` CPU threads for torch (None: leave them as they are), then restore the count.
+    Tiny models often run fastest on one thread: every op is too small to share, and on a busy machine each
+    hand-off between threads waits for a core."""
+    if n is not None and n < 1:
+        raise ValueError(f"threads needs n >= 1 (or None), got {n}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def seed_everything(seed: int) -> None:

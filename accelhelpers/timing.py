@@ -163,6 +163,18 @@ def noise_watch() -> Iterator[Noise]:
     noise.load, noise.reference_s = (load0, _load()), (ref0, _reference_kernel())
 
 
+def record_noise(*noises: Noise) -> Noise:
+    """The noisiest of a chapter's noise checks: print its verdict and record it as the chapter's "noise"."""
+    from .results import record
+
+    if not noises:
+        raise ValueError("record_noise needs at least one noise_watch() result")
+    worst = max(noises, key=lambda nz: (nz.noisy, nz.drift))
+    print("Timing conditions:", worst.verdict())
+    record("noise", worst.drift, "fraction", worst.verdict())
+    return worst
+
+
 def _load() -> float:
     """One-minute load average (0 where the OS has none)."""
     try:

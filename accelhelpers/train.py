@@ -4,8 +4,12 @@ many models trained at once, and fastai's Learner on the same full-batch workloa
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +18,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .data import Split
+from .device import sync
+from .internals import dynamo_explain, mark_static_address, quiet_dynamo_logs
+from .metrics import accuracy, error_percent
 from .session import progress as _progress
 
 
@@ -119,11 +126,6 @@ def pad_mlp(model: nn.Sequential, multiple: int = 16) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def error_percent(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """% of rows whose argmax is not the label, as a 0-d tensor on the logits' device (no host sync)."""
-    return (logits.argmax(-1) != y).float().mean(-1) * 100
-
-
 class FullBatchLoop:
     """One full-batch training loop with each speed-up as a switch, so the ablation changes one thing at a time.
 
@@ -143,7 +145,7 @@ class FullBatchLoop:
                        if dataloader else None)
         step = self._step
         if compile:
-            _quiet_compiler_logs()
+            quiet_dynamo_logs()
             mode = "reduce-overhead" if data.device.type == "cuda" else None
             step = torch.compile(step, mode=mode)
         self.step = step
@@ -267,12 +269,12 @@ class FullGraphLoop(FullBatchLoop):
 
 def _compiler(device: torch.device, params: list[torch.Tensor]):
     """torch.compile(fullgraph=True) for the fast path's functions: CUDA graphs on a GPU (weights marked static)."""
-    _quiet_compiler_logs()
+    quiet_dynamo_logs()
     mode = None
     if device.type == "cuda":
         mode = "reduce-overhead"  # CUDA graphs; the weights keep their addresses, so mark them static
         for p in params:
-            torch._dynamo.mark_static_address(p)
+            mark_static_address(p)
     return lambda f: torch.compile(f, fullgraph=True, mode=mode)
 
 
@@ -286,13 +288,13 @@ class GraphReport:
 
 
 def graph_breaks(loop: FullBatchLoop) -> GraphReport:
-    """Trace one step of `loop` with `torch._dynamo.explain` (nothing is compiled or trained) and count the graphs
+    """Trace one step of `loop` with Dynamo's explain (nothing is compiled or trained) and count the graphs
     and graph breaks: each break is a place where compiled code stops and Python runs in between."""
-    _quiet_compiler_logs()
+    quiet_dynamo_logs()
     with torch.no_grad():
         saved = [p.detach().clone() for p in loop.model.parameters()]
     try:
-        ex = torch._dynamo.explain(loop._step)(loop.data.x_train, loop.data.y_train)
+        ex = dynamo_explain(loop._step, loop.data.x_train, loop.data.y_train)
     finally:  # tracing runs the step once: put the weights back
         with torch.no_grad():
             for p, s in zip(loop.model.parameters(), saved):
@@ -303,14 +305,6 @@ def graph_breaks(loop: FullBatchLoop) -> GraphReport:
         why = [ln.removeprefix("Explanation:").strip() for ln in lines if ln.startswith("Explanation:")]
         reasons.append((why or lines or ["?"])[0])
     return GraphReport(ex.graph_count, ex.graph_break_count, reasons)
-
-
-def _quiet_compiler_logs() -> None:
-    """Silence torch.compile's informational warnings on a CPU-only machine (no CUDA runtime, profiler hooks)."""
-    import logging
-
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    torch._logging.set_logs(dynamo=logging.ERROR)
 
 
 class ManyMLP(nn.Module):
@@ -403,3 +397,92 @@ def fastai_learner(model: nn.Module, data: Split, lr: float = 0.0025):
 def clone(model: nn.Module) -> nn.Module:
     """An independent copy (same initial weights) for a fair side-by-side run."""
     return copy.deepcopy(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The one minibatch loop every other chapter uses
+
+
+@dataclass
+class FitHistory:
+    """Per-epoch test accuracy and loss, and cumulative training seconds (evaluation excluded), of one `fit`."""
+
+    acc: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def final(self) -> float:
+        """The last epoch's test accuracy (nan when `fit` did not evaluate)."""
+        return self.acc[-1] if self.acc else float("nan")
+
+    def to_target(self, target: float) -> tuple[int | None, float | None]:
+        """(epochs, seconds) until the test accuracy first reached `target`; (None, None) if it never did."""
+        for i, a in enumerate(self.acc):
+            if a >= target:
+                return i + 1, self.seconds[i]
+        return None, None
+
+
+def _evaluate(model: nn.Module, split: Split, policy: Any, hist: FitHistory) -> None:
+    """Append the test accuracy and loss (under the policy's autocast) to `hist`."""
+    with torch.no_grad(), (policy.autocast() if policy is not None else nullcontext()):
+        was = model.training
+        model.eval()
+        logits = model(split.x_test).float()
+        model.train(was)
+    hist.acc.append(accuracy(logits, split.y_test))
+    hist.loss.append(F.cross_entropy(logits, split.y_test).item())
+
+
+def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, epochs: int,
+        bs: int = 64, *, seed: int = 0, policy: Any = None, on_step: Callable[[int], None] | None = None,
+        scheduler: Any = None, drop_last: bool = False, evaluate: bool = True,
+        progress: str | bool = False) -> FitHistory:
+    """Minibatch training with cross-entropy: each epoch a fresh permutation from a CPU generator seeded by `seed`,
+    batches of `bs` (the last one short unless `drop_last`). `policy` (precision.Policy) adds autocast and, for
+    fp16, a GradScaler; `on_step(it)` runs before step `it` (e.g. to set one-cycle hyper-parameters);
+    `scheduler.step()` after each optimizer step. With a Split, the test accuracy and loss after every epoch."""
+    x, y = (split.x_train, split.y_train) if isinstance(split, Split) else split
+    if epochs < 1 or bs < 1 or len(x) != len(y):
+        raise ValueError(f"fit needs epochs >= 1, bs >= 1 and one label per row, got {epochs=}, {bs=}, "
+                         f"{len(x)} rows and {len(y)} labels")
+    scaler = policy.grad_scaler() if policy is not None else None
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    hist, elapsed, it = FitHistory(), 0.0, 0
+    model.train()
+    for _ in _progress(range(epochs), progress, unit="epoch"):
+        sync(x.device)
+        t0 = time.perf_counter()
+        for idx in torch.randperm(len(x), generator=gen).to(x.device).split(bs):
+            if drop_last and len(idx) < bs:
+                break
+            if on_step is not None:
+                on_step(it)
+            _step(model, opt, x[idx], y[idx], policy, scaler)
+            if scheduler is not None:
+                scheduler.step()
+            it += 1
+        sync(x.device)
+        elapsed += time.perf_counter() - t0
+        hist.seconds.append(elapsed)
+        if evaluate and isinstance(split, Split):
+            _evaluate(model, split, policy, hist)
+    return hist
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
+          scaler: Any) -> None:
+    """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss)."""
+    if policy is None:
+        loss = F.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return
+    with policy.autocast():            # the forward pass in the policy's low-precision dtype
+        loss = F.cross_entropy(model(xb), yb)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()      # fp16: scale the loss so small gradients do not flush to zero
+    scaler.step(opt)                   # unscale; skip the step if a gradient overflowed
+    scaler.update()                    # grow or shrink the scale for the next step

@@ -39,15 +39,15 @@ def test_unknown_device_names_the_valid_kinds(monkeypatch):
 
 def test_profile_defaults_and_override(monkeypatch):
     monkeypatch.delenv("ACCEL_PROFILE", raising=False)
-    assert ah.profile() == ("quick" if ah.available_devices()[0] == "cpu" else "full")
+    assert ah.run_profile() == ("quick" if ah.available_devices()[0] == "cpu" else "full")
     monkeypatch.setenv("ACCEL_PROFILE", "FULL")
-    assert ah.profile() == "full"
+    assert ah.run_profile() == "full"
 
 
 def test_bogus_profile_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", "bogus")
     with pytest.raises(ValueError, match="'bogus' is not a profile: choose one of quick, full"):
-        ah.profile()
+        ah.run_profile()
     assert ah.hardware_report()["profile"].startswith("invalid")
 
 

@@ -115,3 +115,15 @@ def test_record_keeps_the_range(tmp_path, monkeypatch):
     assert entry["spread"] == [0.9, 1.5] and entry["repeats"] == 5
     with pytest.raises(ValueError, match="spread must be"):
         ah.record("bad", 1.0, "x", spread=(2.0, 1.0))
+
+
+def test_record_noise_keeps_the_noisiest_check(tmp_path, monkeypatch, capsys):
+    from accelhelpers.timing import Noise, record_noise
+
+    monkeypatch.setenv("ACCEL_RESULTS_DIR", str(tmp_path))
+    quiet, loud = Noise((0.1, 0.1), (1.0, 1.05), 2), Noise((0.1, 5.0), (1.0, 1.0), 2)
+    assert record_noise(quiet, loud) is loud
+    assert "TOO NOISY" in capsys.readouterr().out
+    assert any(p.read_text().count('"noise"') for p in tmp_path.glob("*.json"))
+    with pytest.raises(ValueError):
+        record_noise()

@@ -191,3 +191,51 @@ def test_bench_rows_are_medians_and_ratios_are_per_round():
     assert row.steps_per_s == 20.0 and row.steps_per_s_range == (10.0, 30.0)
     assert row.model_steps_per_s == 40.0 and row.gflops == 40.0 and row.fraction_of_peak == 0.4
     assert row.speedup_vs_naive == 4.0 and row.speedup_range == (2.0, 6.0)  # ratios 4, 6, 2 round by round
+
+
+def _manual_fit(model, data, opt, epochs, bs, seed):
+    """The loop fit replaces, written out: the reference it must match step for step."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(data.x_train), generator=gen)
+        for i in range(0, len(perm), bs):
+            idx = perm[i:i + bs]
+            loss = torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return model
+
+
+def test_fit_matches_the_loop_written_out_and_records_each_epoch(data):
+    a = ah.models.mlp([40, 32, 10])
+    b = train.clone(a)
+    hist = train.fit(a, data, torch.optim.SGD(a.parameters(), lr=0.05, momentum=0.9), epochs=2, bs=100, seed=3)
+    _manual_fit(b, data, torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9), 2, 100, 3)
+    assert ah.metrics.max_abs_diff(a, b) == 0.0
+    assert len(hist.acc) == len(hist.loss) == len(hist.seconds) == 2
+    assert hist.final == pytest.approx(ah.metrics.model_accuracy(a, data.x_test, data.y_test))
+    assert hist.seconds[1] > hist.seconds[0] > 0
+    assert hist.to_target(0.0) == (1, hist.seconds[0]) and hist.to_target(2.0) == (None, None)
+
+
+def test_fit_hooks_drop_last_and_a_bf16_policy(data):
+    model = ah.models.mlp([40, 16, 10])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    seen = []
+    x, y = data.x_train[:250], data.y_train[:250]
+    hist = train.fit(model, (x, y), opt, epochs=2, bs=100, drop_last=True, on_step=seen.append, scheduler=sched)
+    assert seen == [0, 1, 2, 3] and sched.last_epoch == 4 and hist.acc == [] and len(hist.seconds) == 2
+    policy = ah.precision.policy_for("cpu", prefer="bf16")
+    hist = train.fit(model, data, opt, epochs=1, bs=256, policy=policy)
+    assert 0 < hist.final <= 1 and np.isfinite(hist.loss[-1])
+
+
+def test_fit_refuses_bad_arguments(data):
+    model = ah.models.mlp([40, 10])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="bs >= 1"):
+        train.fit(model, data, opt, epochs=1, bs=0)
+    with pytest.raises(ValueError, match="one label per row"):
+        train.fit(model, (data.x_train, data.y_train[:5]), opt, epochs=1)
