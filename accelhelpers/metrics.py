@@ -14,13 +14,12 @@ from torch import nn
 
 def accuracy(logits: Any, y: Any) -> float:
     """Fraction of rows whose arg-max equals the label (torch tensors or NumPy arrays)."""
-    if isinstance(logits, torch.Tensor):
-        pred, y = logits.detach().argmax(-1).cpu(), torch.as_tensor(y).cpu()
-    else:
-        pred, y = np.asarray(logits).argmax(axis=-1), np.asarray(y)
+    torch_in = isinstance(logits, torch.Tensor)
+    pred = logits.detach().argmax(-1) if torch_in else np.asarray(logits).argmax(axis=-1)
+    y = torch.as_tensor(y, device=pred.device) if torch_in else np.asarray(y)
     if tuple(pred.shape) != tuple(y.shape):
         raise ValueError(f"logits give {tuple(pred.shape)} predictions but the labels have shape {tuple(y.shape)}")
-    return float((pred == y).sum()) / max(int(np.prod(pred.shape)), 1)
+    return (pred == y).float().mean().item() if torch_in else float((pred == y).mean())
 
 
 def model_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Any = None) -> float:
