@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import metrics
 from .device import sync
-from .timing import interleaved
 
 HABITS = ("none", "item", "print", "cpu")
 
@@ -102,6 +102,51 @@ def digits_uint8(test_size: float = 0.2, seed: int = 0) -> tuple[torch.Tensor, t
 
     split = digits(test_size=test_size, seed=seed, images=True)
     return (split.x_train * 16).round().to(torch.uint8), split.y_train
+
+
+class NumpyDraws(torch.utils.data.Dataset):
+    """`n` items, each one `np.random.random()` drawn when fetched: shows which NumPy seed a DataLoader worker has."""
+
+    def __init__(self, n: int = 4):
+        if n < 1:
+            raise ValueError(f"NumpyDraws needs n >= 1, got {n}")
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> float:
+        return float(np.random.random())
+
+
+def seed_worker(worker_id: int) -> None:
+    """PyTorch's reproducibility recipe for `worker_init_fn`: seed NumPy and `random` in each worker from the seed
+    torch gave that worker (set by the DataLoader's `generator`)."""
+    import random
+
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def write_digits_png(root: str | Path, per_class: int | None = None) -> Path:
+    """scikit-learn `digits` written as 8x8 grayscale PNG files, `root/<label>/<index>.png` (the folder layout
+    `ImageDataLoaders.from_folder` and `parent_label` read); `per_class` images of each digit, or all of them."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    if per_class is not None and per_class < 1:
+        raise ValueError(f"per_class must be >= 1 or None, got {per_class}")
+    root, d = Path(root), load_digits()
+    count = dict.fromkeys(range(10), 0)
+    for i, (img, label) in enumerate(zip(d.images, d.target, strict=True)):
+        if per_class is not None and count[int(label)] >= per_class:
+            continue
+        count[int(label)] += 1
+        folder = root / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray((img * 255 / 16).round().astype(np.uint8)).save(folder / f"{i:04d}.png")
+    return root
 
 
 # ---------------------------------------------------------------- loader throughput
@@ -278,41 +323,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     return step
 
 
-def interleaved_best(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5,
-                     min_time: float = 0.02) -> dict[str, float]:
-    """Best seconds per call of each function, timed round-robin (timing.interleaved): on a shared machine a
-    burst of load then hits every candidate alike instead of whichever happened to run during it."""
-    return {name: t.best for name, t in interleaved(fns, device, rounds, min_time).items()}
-
-
 # ---------------------------------------------------------------- batch size: memory and the finder
-
-def param_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes autograd saves for the backward pass of `model(x)` (activations; parameters not counted).
-    This is what grows with the batch size, measured on any device via saved-tensor hooks."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[tuple[int, int]] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        st = t.untyped_storage()
-        key = (st.data_ptr(), st.nbytes())
-        if st.data_ptr() not in params and key not in seen:
-            seen.add(key)
-            total += st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-    del out
-    return total
-
 
 def step_memory(model: nn.Module, x: torch.Tensor, optimizer_states: int = 2) -> int:
     """Bytes one training step needs: parameters, gradients, `optimizer_states` copies (Adam: 2, SGD: 0,
@@ -321,16 +332,10 @@ def step_memory(model: nn.Module, x: torch.Tensor, optimizer_states: int = 2) ->
         raise ValueError(f"optimizer_states must be >= 0, got {optimizer_states}")
     if x.device.type == "cuda":                 # measured: peak over the step, gradients included
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(x.device)
-        torch.cuda.reset_peak_memory_stats(x.device)
-        base = torch.cuda.memory_allocated(x.device)
-        out = model(x)
-        out.float().sum().backward()
+        peak = metrics.peak_memory(lambda: model(x).float().sum().backward(), x.device)
         model.zero_grad(set_to_none=True)
-        del out
-        torch.cuda.synchronize(x.device)
-        return int(torch.cuda.max_memory_allocated(x.device) - base + (1 + optimizer_states) * param_bytes(model))
-    return (2 + optimizer_states) * param_bytes(model) + activation_bytes(model, x)
+        return int(peak + (1 + optimizer_states) * metrics.param_bytes(model))
+    return (2 + optimizer_states) * metrics.param_bytes(model) + metrics.activation_bytes(model, x)
 
 
 def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 2**20) -> int:
@@ -407,22 +412,6 @@ def accumulated_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_
     return grads(model)
 
 
-def max_abs_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    """Largest absolute difference between two lists of tensors (e.g. gradients)."""
-    if len(a) != len(b):
-        raise ValueError(f"cannot compare {len(a)} tensors with {len(b)}")
-    return max(float((u.detach() - v.detach()).abs().max()) for u, v in zip(a, b, strict=True))
-
-
-def rel_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    """Norm of the difference over the norm of `b`, all tensors flattened together: a scale-free closeness."""
-    if len(a) != len(b) or not len(b):
-        raise ValueError(f"cannot compare {len(a)} tensors with {len(b)}")
-    fa = torch.cat([t.detach().flatten().double() for t in a])
-    fb = torch.cat([t.detach().flatten().double() for t in b])
-    return float((fa - fb).norm() / fb.norm().clamp_min(1e-300))
-
-
 def _import_accelerate() -> Any:
     """Import accelerate for native PyTorch: USE_TORCH_XLA=0 first, or it picks torch_xla's device."""
     if "accelerate" not in sys.modules:
@@ -440,11 +429,10 @@ def accelerate_accumulated_grads(model: nn.Module, x: torch.Tensor, y: torch.Ten
         raise ValueError(f"accelerate divides each loss by k: the batch ({len(x)}) must split into equal "
                          f"micro-batches of {micro_bs}")
     accelerate = _import_accelerate()
-    from accelerate.state import AcceleratorState, GradientState
+    from .internals import reset_accelerate_state
 
     k = len(x) // micro_bs
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()                    # a fresh Accelerator in this process (accelerate keeps singletons)
     acc = accelerate.Accelerator(gradient_accumulation_steps=k, cpu=x.device.type == "cpu")
     if acc.device.type == "xla" and os.environ.get("PJRT_DEVICE") != "TPU":
         raise RuntimeError("accelerate chose the XLA device: set os.environ['USE_TORCH_XLA'] = '0' before the "
@@ -460,8 +448,7 @@ def accelerate_accumulated_grads(model: nn.Module, x: torch.Tensor, y: torch.Ten
                 out = grads(model)
             opt.step()                                  # skipped by accelerate until the k-th micro-batch
             opt.zero_grad()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     return out
 
 
@@ -471,10 +458,10 @@ def fastai_accumulation(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: 
     returns the number of optimizer steps taken and the gradients at the first one. `n_acc` counts samples."""
     from fastai.callback.core import Callback
     from fastai.callback.training import GradientAccumulation
-    from fastai.data.core import DataLoaders
-    from fastai.data.load import DataLoader
     from fastai.learner import Learner
     from fastai.optimizer import SGD
+
+    from .data import Split, fastai_dls
 
     if bs < 1 or n_acc < 1:
         raise ValueError(f"bs and n_acc must be >= 1, got bs={bs}, n_acc={n_acc}")
@@ -490,8 +477,7 @@ def fastai_accumulation(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: 
             if self.first is None:
                 self.first = grads(self.learn.model)
 
-    ds = list(zip(x, y, strict=True))
-    dls = DataLoaders(DataLoader(ds, bs=bs, shuffle=False), DataLoader(ds[:bs], bs=bs), device=x.device)
+    dls = fastai_dls(Split(x, y, x[:bs], y[:bs]), bs=bs, shuffle=False)     # in order: batch i is rows i*bs...
     rec = Recorder()
     model.zero_grad(set_to_none=True)               # fastai does not clear gradients left from before fit
     learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.0,

@@ -12,10 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .timing import Timing, benchmark, interleaved  # noqa: F401  (interleaved: re-exported for chapter 04)
+from .internals import TorchDispatchMode
+from .timing import interleaved
 
 PREFERENCES = ("bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -184,11 +183,21 @@ class _OpLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        ins = tuple(_short(a.dtype) for a in pytree.tree_leaves((args, kwargs))
-                    if isinstance(a, torch.Tensor))
-        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        ins = tuple(_short(a.dtype) for a in _tensors((args, kwargs)))
+        outs = _tensors(out)
         self.ops.append((func.overloadpacket.__name__, ins, _short(outs[0].dtype) if outs else "-"))
         return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts, in order (an op's arguments or results)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    return []
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -201,37 +210,6 @@ def op_dtypes(fn: Callable[[], Any]) -> list[tuple[str, tuple[str, ...], str]]:
     with _OpLog() as log:
         fn()
     return log.ops
-
-
-def saved_tensor_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the distinct tensors autograd saves for backward while `fn()` runs (a forward pass), counted with
-    saved-tensor hooks on any device; storages of `exclude` (e.g. the parameters, which exist anyway) are skipped."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-def peak_memory(fn: Callable[[], Any], device: torch.device | str) -> int | None:
-    """Peak CUDA memory (bytes) allocated while `fn()` runs, by `torch.cuda.max_memory_allocated`; None elsewhere
-    (the allocator statistics exist only on CUDA: use `saved_tensor_bytes` on other devices)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev)
-    fn()
-    torch.cuda.synchronize(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
 
 
 # ---------------------------------------------------------------- gradients and loss scaling
@@ -290,32 +268,17 @@ def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
 
 def train_eval(split: Any, sizes: Sequence[int], policy: Policy, seed: int, epochs: int = 10,
                batch_size: int = 256, lr: float = 3e-3) -> dict[str, float]:
-    """Train an MLP of `sizes` with Adam under `policy` (autocast, scaler if fp16) on a Split; test accuracy and
-    test loss (the loss shows that runs differ even when the accuracy agrees)."""
+    """Train an MLP of `sizes` with Adam under `policy` (autocast, scaler if fp16) on a Split with `train.fit`;
+    test accuracy and test loss (the loss shows that runs differ even when the accuracy agrees)."""
     from .models import mlp
     from .session import seed_everything
+    from .train import fit
 
     seed_everything(seed)
-    device = split.device
-    model = mlp(list(sizes)).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    scaler = policy.grad_scaler()
-    n = split.x_train.shape[0]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    for _ in range(epochs):
-        order = torch.randperm(n, generator=gen).to(device)
-        for i in range(0, n, batch_size):
-            idx = order[i:i + batch_size]
-            with policy.autocast():
-                loss = F.cross_entropy(model(split.x_train[idx]), split.y_train[idx])
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-    with torch.no_grad(), policy.autocast():
-        logits = model(split.x_test).float()
-    return {"accuracy": (logits.argmax(1) == split.y_test).float().mean().item(),
-            "loss": F.cross_entropy(logits, split.y_test).item()}
+    model = mlp(list(sizes)).to(split.device)
+    hist = fit(model, split, torch.optim.Adam(model.parameters(), lr=lr), epochs, batch_size, seed=seed,
+               policy=policy)
+    return {"accuracy": hist.acc[-1], "loss": hist.loss[-1]}
 
 
 def matmul_precision(n: int = 1024, device: torch.device | str = "cpu", min_time: float = 0.05,

@@ -140,26 +140,10 @@ def test_train_step_habits_train_identically(habit):
         P.train_step(model, opt, x, y, "log_every_step")
 
 
-def test_interleaved_best_ranks_by_cost():
-    slow, fast = (lambda: time.sleep(0.004)), (lambda: None)
-    best = P.interleaved_best({"slow": slow, "fast": fast}, rounds=3, min_time=0.01)
-    assert set(best) == {"slow", "fast"}
-    assert 0.004 <= best["slow"] < 0.05 and best["fast"] < 0.001
-    with pytest.raises(ValueError, match="rounds"):
-        P.interleaved_best({"fast": fast}, rounds=0)
-
-
-def test_activation_bytes_of_a_linear_layer_is_its_input():
-    assert P.activation_bytes(nn.Linear(10, 5), torch.rand(8, 10)) == 8 * 10 * 4    # weight not counted
-    m = ah.udl_mlp(4, seed=0)
-    a1, a2, a3 = (P.activation_bytes(m, torch.rand(b, 40)) for b in (100, 200, 300))
-    assert a2 - a1 == a3 - a2 > 0                                                     # linear in the batch
-
-
 def test_step_memory_counts_parameters_gradients_and_optimizer_state():
     m = nn.Linear(10, 5)
     x = torch.rand(4, 10)
-    assert P.param_bytes(m) == 55 * 4
+    assert ah.metrics.param_bytes(m) == 55 * 4
     assert P.step_memory(m, x, optimizer_states=2) == 4 * 55 * 4 + 4 * 10 * 4
     assert P.step_memory(m, x, optimizer_states=0) == 2 * 55 * 4 + 4 * 10 * 4
     with pytest.raises(ValueError, match="optimizer_states"):
@@ -210,12 +194,12 @@ def test_plain_accumulation_equals_one_big_batch():
     x, y = torch.rand(96, 40), torch.randint(0, 10, (96,))
     m = ah.udl_mlp(4, seed=0)
     ref = P.full_batch_grads(m, x, y)
-    assert P.max_abs_diff(ref, P.accumulated_grads(m, x, y, 24)) < 1e-6
-    assert P.max_abs_diff(ref, P.accumulated_grads(m, x, y, 40)) < 1e-6      # unequal last micro-batch
+    assert ah.metrics.max_abs_diff(ref, P.accumulated_grads(m, x, y, 24)) < 1e-6
+    assert ah.metrics.max_abs_diff(ref, P.accumulated_grads(m, x, y, 40)) < 1e-6      # unequal last micro-batch
     m.zero_grad()                                                             # forgetting to divide by k:
     for xb, yb in zip(x.split(24), y.split(24), strict=True):
         F.cross_entropy(m(xb), yb).backward()
-    assert P.max_abs_diff([4 * r for r in ref], P.grads(m)) < 1e-5          # k times the gradient
+    assert ah.metrics.max_abs_diff([4 * r for r in ref], P.grads(m)) < 1e-5          # k times the gradient
     with pytest.raises(ValueError, match="micro_bs"):
         P.accumulated_grads(m, x, y, 0)
 
@@ -224,21 +208,7 @@ def test_batchnorm_breaks_the_equivalence():
     torch.manual_seed(0)
     x, y = torch.rand(64, 40), torch.randint(0, 10, (64,))
     m = nn.Sequential(nn.Linear(40, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
-    assert P.rel_diff(P.accumulated_grads(m, x, y, 16), P.full_batch_grads(m, x, y)) > 1e-3
-
-
-def test_max_abs_diff():
-    assert P.max_abs_diff([torch.zeros(2)], [torch.tensor([0.0, -0.5])]) == 0.5
-    with pytest.raises(ValueError, match="compare"):
-        P.max_abs_diff([torch.zeros(1)], [])
-
-
-def test_rel_diff():
-    a = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
-    assert P.rel_diff(a, a) == 0
-    assert P.rel_diff([torch.tensor([3.0, 0.0]), torch.tensor([0.0])], a) == pytest.approx(4 / 5)
-    with pytest.raises(ValueError, match="compare"):
-        P.rel_diff([], [])
+    assert ah.metrics.rel_diff(P.accumulated_grads(m, x, y, 16), P.full_batch_grads(m, x, y)) > 1e-3
 
 
 def test_accelerate_accumulation_equals_one_big_batch():
@@ -246,7 +216,7 @@ def test_accelerate_accumulation_equals_one_big_batch():
     x, y = torch.rand(64, 40), torch.randint(0, 10, (64,))
     m = ah.udl_mlp(2, seed=0)
     ref = P.full_batch_grads(m, x, y)
-    assert P.max_abs_diff(ref, P.accelerate_accumulated_grads(m, x, y, 16)) < 1e-6
+    assert ah.metrics.max_abs_diff(ref, P.accelerate_accumulated_grads(m, x, y, 16)) < 1e-6
     with pytest.raises(ValueError, match="equal"):
         P.accelerate_accumulated_grads(m, x, y, 24)
 
@@ -256,11 +226,11 @@ def test_fastai_n_acc_counts_samples_not_batches():
     x, y = torch.rand(128, 40), torch.randint(0, 10, (128,))
     m = ah.udl_mlp(2, seed=0)
     steps, g = P.fastai_accumulation(m, x, y, bs=32, n_acc=128)         # 4 batches of 32 = 128 samples
-    assert steps == 1 and P.max_abs_diff(P.full_batch_grads(m, x, y), g) < 1e-6
+    assert steps == 1 and ah.metrics.max_abs_diff(P.full_batch_grads(m, x, y), g) < 1e-6
     steps, g = P.fastai_accumulation(m, x, y, bs=32, n_acc=4)           # "4 batches"? no: 4 samples
     assert steps == 4                                                   # a step every batch: nothing accumulated
     ref = P.full_batch_grads(m, x[:32], y[:32])
-    assert P.max_abs_diff([8 * r for r in ref], g) < 1e-5               # and the gradient is scaled by bs/n_acc
+    assert ah.metrics.max_abs_diff([8 * r for r in ref], g) < 1e-5   # and the gradient is scaled by bs/n_acc
     with pytest.raises(ValueError, match="n_acc"):
         P.fastai_accumulation(m, x, y, bs=32, n_acc=0)
 
@@ -274,3 +244,31 @@ def test_compare_loaders_times_each_loader_every_round():
     assert res["slow"].steady_items_per_s < res["fast"].steady_items_per_s
     with pytest.raises(ValueError, match="epochs"):
         P.compare_loaders({"fast": fast}, epochs=0)
+
+
+def test_np_random_seed_as_worker_init_fn_seeds_nothing_and_a_generator_does():
+    def draws(**kw):
+        return [float(v) for b in DataLoader(P.NumpyDraws(4), batch_size=2, num_workers=2, **kw) for v in b]
+
+    bad = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        bad.append(draws(worker_init_fn=__import__("numpy").random.seed(1)))   # the erratum: passes None
+    assert bad[0] != bad[1]                                    # the draws follow torch's seed, not the 1
+    good = [draws(worker_init_fn=P.seed_worker, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    assert good[0] == good[1] and len(set(good[0])) == 4       # repeatable, and the two workers differ
+    with pytest.raises(ValueError, match="n >= 1"):
+        P.NumpyDraws(0)
+
+
+def test_write_digits_png_lays_out_one_folder_per_label(tmp_path):
+    from PIL import Image
+
+    root = P.write_digits_png(tmp_path / "png", per_class=2)
+    files = sorted(root.glob("*/*.png"))
+    assert len(files) == 20 and {f.parent.name for f in files} == {str(d) for d in range(10)}
+    with Image.open(files[0]) as im:
+        assert im.size == (8, 8) and im.mode == "L"
+    assert len(list(P.write_digits_png(tmp_path / "all").glob("*/*.png"))) == 1797
+    with pytest.raises(ValueError, match="per_class"):
+        P.write_digits_png(tmp_path, per_class=0)

@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -198,25 +197,19 @@ def test_op_dtypes_under_cpu_autocast():
     assert {o for _, _, o in plain} == {"float32"} and "_to_copy" not in [op for op, _, _ in plain]
 
 
-def test_saved_tensor_bytes_exact():
+def test_autocast_halves_the_saved_bytes_and_adds_weight_copies():
     lin, x = nn.Linear(32, 64), torch.randn(10, 32)
     fwd = lambda: torch.relu(lin(x))
     # fp32: addmm saves its input (for the weight gradient), relu saves its output
-    assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 4
+    assert ah.metrics.saved_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 4
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the same tensors, in bf16: half the bytes
-        assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 2
+        assert ah.metrics.saved_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 2
     x.requires_grad_(True)  # now the weight is saved too, for the input gradient
-    assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 4  # ... the parameter: excluded
-    assert P.saved_tensor_bytes(fwd) == (10 * 32 + 10 * 64 + 32 * 64) * 4  # ... unless not excluded
+    assert ah.metrics.saved_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64) * 4  # ... the parameter: excluded
+    assert ah.metrics.saved_bytes(fwd) == (10 * 32 + 10 * 64 + 32 * 64) * 4  # ... unless not excluded
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast saves its bf16 copy of the weight
-        assert P.saved_tensor_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64 + 32 * 64) * 2
-    assert P.saved_tensor_bytes(lambda: None) == 0
-
-
-def test_peak_memory_is_cuda_only():
-    assert P.peak_memory(lambda: torch.ones(1000), "cpu") is None
-    if torch.cuda.is_available():
-        assert P.peak_memory(lambda: torch.ones(2**20, device="cuda"), "cuda") >= 4 * 2**20
+        assert ah.metrics.saved_bytes(fwd, lin.parameters()) == (10 * 32 + 10 * 64 + 32 * 64) * 2
+    assert ah.metrics.saved_bytes(lambda: None) == 0
 
 
 # ---------------------------------------------------------------- gradients and loss scaling
@@ -248,14 +241,6 @@ def test_scaler_trace_skips_on_overflow_and_grows():
 
 
 # ---------------------------------------------------------------- measurements
-
-def test_interleaved_ranks_fast_and_slow():
-    t = P.interleaved({"fast": lambda: None, "slow": lambda: time.sleep(0.002)}, rounds=2, min_time=0.01)
-    assert set(t) == {"fast", "slow"} and len(t["slow"].times) == 2
-    assert t["slow"].median > 0.0015 > t["fast"].median
-    with pytest.raises(ValueError, match="at least one function"):
-        P.interleaved({})
-
 
 def test_train_eval_fp32_and_bf16_learn_digits():
     split, kw = ah.digits(), {"seed": 0, "epochs": 5, "batch_size": 512, "lr": 2e-2}
