@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ck
-from . import launch, timing
+from . import launch, metrics, session, timing, train
 from .faults import finish_distributed, init_distributed
 from .models import mlp
 
@@ -108,17 +108,6 @@ def sgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 0.
     return model
 
 
-def max_weight_diff(a: nn.Module | dict, b: nn.Module | dict) -> float:
-    """Largest absolute difference between two models' (or state dicts') parameters of the same names."""
-    sa = a.state_dict() if isinstance(a, nn.Module) else a
-    sb = b.state_dict() if isinstance(b, nn.Module) else b
-    sa = {k.removeprefix("module."): v for k, v in sa.items()}
-    sb = {k.removeprefix("module."): v for k, v in sb.items()}
-    if sa.keys() != sb.keys():
-        raise ValueError(f"the models differ in parameters: {sorted(sa.keys() ^ sb.keys())[:5]}")
-    return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa)
-
-
 def equivalence(out: Path, steps: int, batch: int) -> None:
     """Worker: every rank trains the same model on its shard of the same global batches twice, once averaging
     gradients by hand (allreduce_gradients) and once under DDP; rank 0 checkpoints both."""
@@ -161,25 +150,10 @@ def mnist1d_loader(batch: int, seed: int = 0) -> tuple[Any, Any]:
     return DataLoader(sampler.dataset, batch_size=batch, sampler=sampler, drop_last=True), data
 
 
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Fraction of rows of x that `model` classifies as y."""
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
-
-
-def _median_step(step: Any, n: int) -> float:
-    """Median seconds of n calls of step() (each call timed alone)."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _time_ddp_steps(ddp: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor,
                     n: int) -> tuple[float, float]:
-    """Median seconds of a DDP training step on (xb, yb) with, and without (ddp.no_sync), the all-reduce."""
+    """Median seconds of a DDP training step on (xb, yb) with, and without (ddp.no_sync), the all-reduce, over `n`
+    interleaved rounds (one call each, so that every rank makes the same collective calls)."""
     def step() -> None:
         opt.zero_grad()
         F.cross_entropy(ddp(xb), yb).backward()
@@ -189,11 +163,8 @@ def _time_ddp_steps(ddp: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor
         with ddp.no_sync():  # the same compute, no all-reduce: what communication costs is the difference
             step()
 
-    t_sync, t_local = [], []
-    for _ in range(3):  # alternate blocks so that background load hits both alike
-        t_sync.append(_median_step(step, n))
-        t_local.append(_median_step(local_step, n))
-    return statistics.median(t_sync), statistics.median(t_local)
+    t = timing.interleaved({"sync": step, "local": local_step}, rounds=n, min_time=0)
+    return t["sync"].median, t["local"].median
 
 
 def ddp_train(out: Path, epochs: int, batch: int, width: int, bench_steps: int, lr: float = 0.05,
@@ -215,14 +186,14 @@ def ddp_train(out: Path, epochs: int, batch: int, width: int, bench_steps: int, 
             F.cross_entropy(ddp(xb), yb).backward()
             opt.step()
         if rank == 0:
-            print(f"[rank0] epoch {epoch + 1}: test accuracy {accuracy(model, data.x_test, data.y_test):.3f}",
-                  flush=True)
+            acc = metrics.model_accuracy(model, data.x_test, data.y_test)
+            print(f"[rank0] epoch {epoch + 1}: test accuracy {acc:.3f}", flush=True)
             ck.save_checkpoint(ck.checkpoint_path(out / "ckpt", epoch + 1), model, opt, step=epoch + 1, keep=1)
         dist.barrier()  # nobody reads the checkpoint before rank 0 has written it
     fresh = mlp([40, width, width, 10])
     ck.load_checkpoint(ck.latest_good_checkpoint(out / "ckpt"), fresh, map_location="cpu", restore_rng=False)
-    same = max_weight_diff(fresh, model) == 0.0
-    acc = accuracy(model, data.x_test, data.y_test)
+    same = metrics.max_abs_diff(fresh, model) == 0.0
+    acc = metrics.model_accuracy(model, data.x_test, data.y_test)
     res = {"world": world, "batch": batch, "width": width, "params": sum(p.numel() for p in model.parameters()),
            "accuracy": acc, "checkpoint_reloads_equal": same, "bench": {}}
     for b in bench_batches or [batch]:
@@ -332,7 +303,7 @@ def fastai_train(out: Path, epochs: int, batch: int, lr: float, patch: bool) -> 
     step_batch = torch.tensor(sizes.sizes[0])
     dist.all_reduce(step_batch)
     if rank_distrib() == 0:
-        acc = accuracy(learn.model, data.x_test, data.y_test)
+        acc = metrics.model_accuracy(learn.model, data.x_test, data.y_test)
         res = {"world": world, "accuracy": acc, "ranks_equal": all(torch.equal(g, flat) for g in gathered),
                "setup_distrib": setup, "num_distrib": num_distrib(), "bs": bs, "rank_batch": sizes.sizes[0],
                "global_batch": int(step_batch), "steps_per_epoch": len(sizes.sizes) // epochs}
@@ -372,15 +343,6 @@ def accelerate_launchers(out: Path, nproc: int) -> None:
 
 # --- beyond data parallel: FSDP2 -------------------------------------------------------------------------------------
 
-def param_bytes(model: nn.Module) -> int:
-    """Bytes of parameters this process holds (a sharded DTensor parameter counts only its local shard)."""
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
-
-
 def fsdp_memory(out: Path, width: int) -> None:
     """Worker: the same MLP under DDP (every rank holds all parameters) and under FSDP2's fully_shard (each rank
     holds 1/world); both take one training step on the same shard and rank 0 records bytes and losses."""
@@ -404,7 +366,9 @@ def fsdp_memory(out: Path, width: int) -> None:
         sgd_train(model, xs[:1], ys[:1])
         loss = F.mse_loss(model(xs[1]), ys[1]).detach()
         dist.all_reduce(loss)
-        res[kind] = {"param_bytes": param_bytes(model), "loss_after_step": float(loss) / world}
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP2: own shard
+        res[kind] = {"param_bytes": sum(t.numel() * t.element_size() for t in local),
+                     "loss_after_step": float(loss) / world}
     if rank == 0:
         print(f"[rank0] parameter bytes per rank: DDP {res['ddp']['param_bytes']}, "
               f"FSDP2 {res['fsdp']['param_bytes']}", flush=True)
@@ -449,7 +413,7 @@ def amp_ddp(steps: int, batch: int, width: int, rounds: int) -> dict[str, Any]:
         for _ in range(steps):
             idx = torch.randint(0, len(x), (batch,), generator=g).to(dev)
             amp_step(ddp, opt, scaler, x[idx], y[idx], dtype)
-        res[name] = {"accuracy": accuracy(model, data.x_test.to(dev), data.y_test.to(dev)),
+        res[name] = {"accuracy": metrics.model_accuracy(model, data.x_test.to(dev), data.y_test.to(dev)),
                      "grad_dtype": str(next(model.parameters()).grad.dtype).removeprefix("torch."),
                      "scaler_enabled": scaler.is_enabled()}
         steppers[name] = (lambda d=ddp, o=opt, s=scaler, t=dtype: amp_step(d, o, s, xb, yb, t))
@@ -636,33 +600,15 @@ def train_mnist1d(batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0
     if batch < 1 or lr <= 0 or epochs < 1 or warmup_epochs < 0:
         raise ValueError(f"need batch >= 1, lr > 0, epochs >= 1, warmup_epochs >= 0; got {batch}, {lr}, "
                          f"{epochs}, {warmup_epochs}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # steps this small only lose to thread hand-offs, badly so on a busy machine
-    try:
-        return _train_mnist1d(mnist1d(), batch, lr, epochs, warmup_epochs, width, seed)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train_mnist1d(data: Any, batch: int, lr: float, epochs: int, warmup_epochs: float, width: int,
-                   seed: int) -> float:
-    """The training loop of train_mnist1d."""
-    torch.manual_seed(seed)
-    model = mlp([40, width, width, 10])
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    per_epoch = len(data.x_train) // batch
-    warm = max(1, round(warmup_epochs * per_epoch))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        order = torch.randperm(len(data.x_train), generator=g)
-        for i in range(per_epoch):
-            idx = order[i * batch:(i + 1) * batch]
-            opt.zero_grad()
-            F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
-            opt.step()
-            sched.step()
-    return accuracy(model, data.x_test, data.y_test)
+    with session.threads(1):  # steps this small only lose to thread hand-offs, badly so on a busy machine
+        torch.manual_seed(seed)
+        model = mlp([40, width, width, 10])
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        data = mnist1d()
+        warm = max(1, round(warmup_epochs * (len(data.x_train) // batch)))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+        train.fit(model, data, opt, epochs, batch, seed=seed, scheduler=sched, drop_last=True, evaluate=False)
+        return metrics.model_accuracy(model, data.x_test, data.y_test)
 
 
 # --- entry point ----------------------------------------------------------------------------------------------------

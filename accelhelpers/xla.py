@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import launch
+from . import internals, launch
 from .device import tpu_present, xla_installed
 
 INSTALL_FIX = "pip install torch=={v} 'torch_xla[tpu]=={v}'"
@@ -70,11 +70,7 @@ def choose_pjrt_device() -> str:
 
 def runtime_started() -> bool:
     """True once torch_xla's runtime is up (after that PJRT_DEVICE and debug settings no longer take effect)."""
-    if "torch_xla" not in sys.modules:
-        return False
-    import torch_xla
-
-    return bool(torch_xla._XLAC._xla_runtime_is_initialized())
+    return "torch_xla" in sys.modules and internals.xla_runtime_started()
 
 
 def use_xla(debug_file: str | Path | None = None, debug_level: int = 1, verbose: bool = True) -> torch.device:
@@ -180,9 +176,7 @@ def pending_ir(*tensors: torch.Tensor) -> str:
     """The recorded-but-not-yet-run graph (lazy IR) behind XLA tensors: what `torch_xla.sync()` would compile."""
     if not tensors or any(t.device.type != "xla" for t in tensors):
         raise ValueError("pending_ir needs XLA tensors: create them on torch_xla.device()")
-    import torch_xla
-
-    return torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    return internals.xla_pending_ir(*tensors)
 
 
 def bucket_length(length: int, buckets: Sequence[int]) -> int:
@@ -218,6 +212,7 @@ def _launch_worker(index: int, all_reduce: bool) -> None:
     dev = torch_xla.device()
     rank, world = xr.global_ordinal(), xr.world_size()
     print(f"replica {index}: ordinal {rank} of {world}, device {dev}, process {os.getpid()}", flush=True)
+    xm.master_print(f"master_print: printed by the master ordinal only ({world} replicas)", flush=True)
     if all_reduce:
         total = xm.all_reduce(xm.REDUCE_SUM, torch.ones(3, device=dev) * (rank + 1))
         torch_xla.sync()
