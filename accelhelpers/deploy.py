@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .session import progress as _progress
+from .session import threads as torch_threads
+from .train import fit
 
 EDGE_VENV = ".venv-edge"
 INSTALL_HINTS: dict[str, str] = {  # every optional tool of chapters 08 and 10, with its install line
@@ -81,52 +82,16 @@ def require(*tools: str) -> None:
 def fit_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int = 128,
                    lr: float = 3e-3, seed: int = 0, threads: int | None = None,
                    progress: str | bool = False) -> nn.Module:
-    """Train a classifier with AdamW and a one-cycle schedule on shuffled minibatches; returns it in eval mode.
-    `threads` sets torch's CPU threads while training (tiny models are often fastest on one); `progress` shows
-    a bar over the epochs (a string labels it)."""
+    """Train a classifier with AdamW and torch's OneCycleLR on shuffled minibatches (`train.fit`); returns it in
+    eval mode. `threads` sets torch's CPU threads while training (tiny models are often fastest on one);
+    `progress` shows a bar over the epochs (a string labels it)."""
     if epochs < 1 or batch_size < 1 or len(x) != len(y):
         raise ValueError(f"need epochs >= 1, batch_size >= 1 and as many labels as rows (got {len(x)} and {len(y)})")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or before)
-    try:
-        return _fit(model, x, y, epochs, batch_size, lr, seed, progress)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int, lr: float,
-         seed: int, progress: str | bool = False) -> nn.Module:
-    """The training loop of `fit_classifier`."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    steps = epochs * math.ceil(len(x) / batch_size)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    model.train()
-    for _ in _progress(range(epochs), progress, unit="epoch"):
-        for idx in torch.randperm(len(x), generator=gen).split(batch_size):
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * math.ceil(len(x) / batch_size))
+    with torch_threads(threads):
+        fit(model, (x, y), opt, epochs, batch_size, seed=seed, scheduler=sched, evaluate=False, progress=progress)
     return model.eval()
-
-
-def accuracy(logits: Any, y: Any) -> float:
-    """Fraction of rows whose argmax equals the label (NumPy or torch inputs)."""
-    pred = np.asarray(logits).argmax(axis=1)
-    y = np.asarray(y)
-    if pred.shape != y.shape:
-        raise ValueError(f"logits give {pred.shape[0]} predictions but there are {y.shape[0]} labels")
-    return float((pred == y).mean())
-
-
-def agreement(a: Any, b: Any) -> dict[str, float]:
-    """How close two models' outputs are: max abs difference and the fraction of equal argmaxes."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"outputs to compare have different shapes {a.shape} and {b.shape}")
-    return {"max_abs_diff": float(np.abs(a - b).max()), "argmax_agreement": float((a.argmax(1) == b.argmax(1)).mean())}
 
 
 # ------------------------------------------------------------------------------ linear quantization by hand

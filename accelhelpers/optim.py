@@ -1,24 +1,22 @@
 """Optimizers built from small step callbacks (SGD, momentum, RMSProp, Adam, decoupled weight decay), the
-exponentially weighted average, the one-cycle schedule, an LR finder, and the loops chapter 03 compares."""
+exponentially weighted average, the one-cycle schedule (as an `on_step` for `train.fit`), an LR finder, and
+fastai's loop with the statistics chapter 03 compares."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 import math
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from .data import Split
-from .device import sync
+from .train import FitHistory
 
 StepCallback = Callable[..., "dict[str, Any] | None"]
 
@@ -322,60 +320,16 @@ def lr_find(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
 # The acceleration experiment
 
 
-@dataclass
-class History:
-    """Per-epoch test accuracy and cumulative training seconds (evaluation excluded) of one run."""
+def one_cycle_on_step(opt: torch.optim.Optimizer, n_steps: int, lr_max: float,
+                      **cycle_kw: Any) -> Callable[[int], None]:
+    """An `on_step` for `train.fit`: before step `it`, set the optimizer's lr and mom from `one_cycle`
+    (n_steps = epochs x batches per epoch)."""
+    lrs, moms = one_cycle(n_steps, lr_max, **cycle_kw)
 
-    acc: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
+    def on_step(it: int) -> None:
+        set_hypers(opt, lr=float(lrs[it]), mom=float(moms[it]))
 
-    def to_target(self, target: float) -> tuple[int | None, float | None]:
-        """(epochs, seconds) until the test accuracy first reached `target`; (None, None) if it never did."""
-        for i, a in enumerate(self.acc):
-            if a >= target:
-                return i + 1, self.seconds[i]
-        return None, None
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Fraction of rows of `x` whose arg-max prediction equals `y`."""
-    model.eval()
-    acc = (model(x).argmax(1) == y).float().mean().item()
-    model.train()
-    return acc
-
-
-def train(model: nn.Module, split: Split, opt: torch.optim.Optimizer, epochs: int, bs: int = 64, seed: int = 0,
-          one_cycle_lr: float | None = None, **cycle_kw: Any) -> History:
-    """Minibatch training on device-resident tensors (shuffled by `seed`); with `one_cycle_lr` the rate and
-    momentum follow `one_cycle`. Test accuracy after every epoch."""
-    if epochs < 1 or bs < 1:
-        raise ValueError(f"train needs epochs >= 1 and bs >= 1, got {epochs=}, {bs=}")
-    n = len(split.x_train)
-    steps = math.ceil(n / bs)
-    sched = one_cycle(epochs * steps, one_cycle_lr, **cycle_kw) if one_cycle_lr else None
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    loss_fn, hist, elapsed, it = nn.CrossEntropyLoss(), History(), 0.0, 0
-    model.train()
-    for _ in range(epochs):
-        sync(split.device)
-        t0 = time.perf_counter()
-        perm = torch.randperm(n, generator=gen).to(split.device)
-        for i in range(0, n, bs):
-            idx = perm[i:i + bs]
-            if sched is not None:
-                set_hypers(opt, lr=float(sched[0][it]), mom=float(sched[1][it]))
-            loss = loss_fn(model(split.x_train[idx]), split.y_train[idx])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            it += 1
-        sync(split.device)
-        elapsed += time.perf_counter() - t0
-        hist.acc.append(accuracy(model, split.x_test, split.y_test))
-        hist.seconds.append(elapsed)
-    return hist
+    return on_step
 
 
 def _load_fastai() -> None:
@@ -384,27 +338,10 @@ def _load_fastai() -> None:
     import fastai.callback.schedule  # noqa: F401
 
 
-def fastai_dls(split: Split, bs: int = 64, shuffle: bool = True, seed: int | None = None) -> Any:
-    """fastai DataLoaders (train, valid) over a Split's tensors: no download, no transforms, and a scratch `path`
-    so that `lr_find` does not leave a models/ folder in the working directory."""
-    _load_fastai()
-    from fastai.data.core import DataLoaders
-    from fastai.data.load import DataLoader
-
-    if bs < 1:
-        raise ValueError(f"batch size must be >= 1, got {bs}")
-    train_ds = list(zip(split.x_train, split.y_train, strict=True))
-    valid_ds = list(zip(split.x_test, split.y_test, strict=True))
-    train_dl = DataLoader(train_ds, bs=bs, shuffle=shuffle, drop_last=False)
-    if seed is not None:
-        train_dl.rng.seed(seed)
-    scratch = Path(tempfile.gettempdir()) / "accel-course-fastai"   # lr_find saves weights under path/models
-    return DataLoaders(train_dl, DataLoader(valid_ds, bs=max(bs, 512)), path=scratch, device=split.device)
-
-
-def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, **fit_kw: Any) -> History:
-    """Fit a fastai Learner (plain `fit`, or `fit_one_cycle` with `lr` as lr_max) and return its History:
-    the first metric per epoch and cumulative training-phase seconds (validation excluded)."""
+def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, **fit_kw: Any) -> FitHistory:
+    """Fit a fastai Learner (plain `fit`, or `fit_one_cycle` with `lr` as lr_max) and return it as a
+    `train.FitHistory`: the first metric and the validation loss per epoch, cumulative training-phase seconds
+    (validation excluded)."""
     if not learn.metrics:
         raise ValueError("fastai_history reads the first metric: build the Learner with metrics=accuracy")
     _load_fastai()
@@ -429,12 +366,13 @@ def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, 
             learn.fit_one_cycle(epochs, lr, cbs=timer, **fit_kw)
         else:
             learn.fit(epochs, lr, cbs=timer, **fit_kw)
-    acc = [float(v[2]) for v in learn.recorder.values]  # [train loss, valid loss, first metric]
-    return History(acc, timer.seconds)
+    values = learn.recorder.values  # per epoch: [train loss, valid loss, first metric]
+    return FitHistory(acc=[float(v[2]) for v in values], loss=[float(v[1]) for v in values], seconds=timer.seconds)
 
 
-def summarize(histories: Sequence[History], target: float) -> dict[str, Any]:
-    """Epochs and seconds to `target` over seeds: mean, standard deviation, min, max, and how many got there."""
+def to_target_stats(histories: Sequence[FitHistory], target: float) -> dict[str, Any]:
+    """Epochs and seconds to `target` accuracy over seeds: mean, standard deviation, min, max, and how many got
+    there; with the mean final accuracy."""
     hits = [h.to_target(target) for h in histories]
     eps = np.array([e for e, _ in hits if e is not None], float)
     secs = np.array([s for _, s in hits if s is not None], float)

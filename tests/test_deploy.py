@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import accelhelpers as ah
 from accelhelpers import deploy as D
 from accelhelpers.models import mlp
 
@@ -60,20 +61,29 @@ def test_fit_classifier_learns(blobs, trained):
     threads = torch.get_num_threads()
     D.fit_classifier(mlp([6, 3]), x, y, epochs=1, threads=1)
     assert torch.get_num_threads() == threads  # restored after training
-    assert D.accuracy(trained(x).detach(), y) > 0.95
+    assert ah.metrics.accuracy(trained(x).detach(), y) > 0.95
     with pytest.raises(ValueError, match="labels"):
         D.fit_classifier(mlp([6, 3]), x, y[:10], epochs=1)
 
 
-def test_accuracy_and_agreement():
-    logits = np.array([[0.0, 1.0], [2.0, 1.0], [0.0, 3.0]])
-    assert D.accuracy(logits, [1, 0, 0]) == pytest.approx(2 / 3)
-    a = D.agreement(logits, logits + np.array([[0, 0], [0, 1.5], [0, 0]]))
-    assert a == {"max_abs_diff": 1.5, "argmax_agreement": pytest.approx(2 / 3)}
-    with pytest.raises(ValueError, match="labels"):
-        D.accuracy(logits, [1, 0])
-    with pytest.raises(ValueError, match="shapes"):
-        D.agreement(logits, logits[:2])
+def test_fit_classifier_is_the_plain_adamw_one_cycle_loop(blobs):
+    """train.fit with OneCycleLR as its scheduler takes exactly the steps of the loop written out."""
+    x, y = blobs
+    torch.manual_seed(0)
+    ours = D.fit_classifier(mlp([6, 8, 3]), x, y, epochs=2, batch_size=50, lr=1e-2, seed=3, threads=1)
+    torch.manual_seed(0)
+    ref = mlp([6, 8, 3])
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 1e-2, total_steps=2 * -(-len(x) // 50))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for idx in torch.randperm(len(x), generator=gen).split(50):
+            loss = nn.functional.cross_entropy(ref(x[idx]), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    assert ah.metrics.max_abs_diff(ours, ref) == 0.0
 
 
 # ------------------------------------------------------------------------------------ int8 by hand
@@ -150,7 +160,7 @@ def test_static_quantization(tmp_path, blobs, onnx_path):
     path = onnx_path
     st = D.quantize_onnx_static(path, tmp_path / "st.onnx", x[:200].numpy())
     out = D.ort_run(D.ort_session(st, threads=1), x.numpy())
-    assert D.accuracy(out, y) > 0.95
+    assert ah.metrics.accuracy(out, y) > 0.95
     assert D.preprocess_onnx(path, tmp_path / "pre.onnx").exists()
     with pytest.raises(ValueError, match="calibration"):
         D.quantize_onnx_static(path, tmp_path / "st2.onnx", np.zeros((0, 6), np.float32))
@@ -231,7 +241,7 @@ def test_hls4ml_emulation_is_bit_exact_with_numpy_model(tmp_path, trained, blobs
     assert np.array_equal(outs[1], D.fixed_forward(trained, xs, "ap_fixed<10,4>", per_layer))
     assert outs[0].shape == (64, 3) and outs[0].dtype == np.float32
     with torch.no_grad():
-        assert D.agreement(outs[0], trained(x[:64]).numpy())["argmax_agreement"] > 0.95
+        assert ah.metrics.agreement(outs[0], trained(x[:64]).numpy())["argmax_agreement"] > 0.95
     assert (tmp_path / "p0_16_6" / "build_prj.tcl").exists()  # a Vitis HLS project, ready for synthesis
     D.hls_convert(trained, 6, tmp_path / "rf", reuse_factor=4, compile=False)
     assert "reuse_factor = 4" in (tmp_path / "rf" / "firmware" / "parameters.h").read_text()

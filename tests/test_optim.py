@@ -172,7 +172,7 @@ def _tiny_learner(split, bs=64, opt_func=None, n=512, seed=0):
 
     small = ah.Split(split.x_train[:n], split.y_train[:n], split.x_test[:128], split.y_test[:128])
     ah.seed_everything(seed)
-    dls = O.fastai_dls(small, bs=bs, shuffle=False)
+    dls = ah.data.fastai_dls(small, bs=bs, shuffle=False)
     return Learner(dls, _model(seed), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func or SGD), small
 
 
@@ -236,55 +236,47 @@ def test_lr_suggestions_match_fastai_minimum_and_steep():
         O.lr_suggestions(lrs[:12], losses[:12])
 
 
-def test_train_learns_is_reproducible_and_runs_one_cycle(digits):
-    def run(**kw):
+def test_one_cycle_on_step_drives_train_fit(digits):
+    def run(one_cycle_lr=None):
         model = _model(1)
         opt = O.adam(model.parameters(), lr=3e-3)
-        return O.train(model, digits, opt, epochs=3, bs=128, seed=5, **kw), opt
+        steps = 3 * math.ceil(len(digits.x_train) / 128)
+        hook = O.one_cycle_on_step(opt, steps, one_cycle_lr) if one_cycle_lr else None
+        return ah.train.fit(model, digits, opt, epochs=3, bs=128, seed=5, on_step=hook), opt
 
     (h1, _), (h2, _) = run(), run()
     assert len(h1.acc) == 3 and h1.acc == h2.acc and h1.acc[-1] > 0.75
-    assert all(b >= a for a, b in zip(h1.seconds, h1.seconds[1:]))
     h3, opt = run(one_cycle_lr=1e-2)
     lrs, moms = O.one_cycle(3 * math.ceil(len(digits.x_train) / 128), 1e-2)
     assert opt.param_groups[0]["lr"] == pytest.approx(lrs[-1]) and opt.param_groups[0]["mom"] == pytest.approx(moms[-1])
-    with pytest.raises(ValueError, match="epochs >= 1"):
-        O.train(_model(), digits, opt, epochs=0)
+    assert h3.acc[-1] > 0.75
+    with pytest.raises(ValueError, match="pct_start"):
+        O.one_cycle_on_step(opt, 10, 1e-2, pct_start=0)
 
 
-def test_accuracy_matches_manual(digits):
-    model = _model(2)
-    with torch.no_grad():
-        manual = (model(digits.x_test).argmax(1) == digits.y_test).float().mean().item()
-    assert O.accuracy(model, digits.x_test, digits.y_test) == pytest.approx(manual)
-    assert model.training
-
-
-def test_history_to_target_and_summarize():
-    h1 = O.History([0.5, 0.8, 0.9], [1.0, 2.0, 3.0])
-    h2 = O.History([0.85, 0.9, 0.95], [1.5, 3.0, 4.5])
-    h3 = O.History([0.1, 0.2, 0.3], [1.0, 2.0, 3.0])
+def test_to_target_stats():
+    h1 = ah.train.FitHistory([0.5, 0.8, 0.9], seconds=[1.0, 2.0, 3.0])
+    h2 = ah.train.FitHistory([0.85, 0.9, 0.95], seconds=[1.5, 3.0, 4.5])
+    h3 = ah.train.FitHistory([0.1, 0.2, 0.3], seconds=[1.0, 2.0, 3.0])
     assert h1.to_target(0.8) == (2, 2.0) and h3.to_target(0.8) == (None, None)
-    s = O.summarize([h1, h2, h3], 0.8)
+    s = O.to_target_stats([h1, h2, h3], 0.8)
     assert s["reached"] == 2 and s["runs"] == 3
     assert s["epochs"]["mean"] == pytest.approx(1.5) and s["epochs"]["std"] == pytest.approx(0.5)
     assert s["seconds"]["min"] == pytest.approx(1.5) and s["final_acc"] == pytest.approx((0.9 + 0.95 + 0.3) / 3)
-    assert math.isnan(O.summarize([h3], 0.8)["epochs"]["mean"])
+    assert math.isnan(O.to_target_stats([h3], 0.8)["epochs"]["mean"])
 
 
-def test_fastai_dls_and_history(digits):
+def test_fastai_history(digits):
     from fastai.learner import Learner
     from fastai.metrics import accuracy
     from fastai.optimizer import Adam
 
-    dls = O.fastai_dls(digits, bs=100, seed=0)
-    xb, yb = dls.one_batch()
-    assert xb.shape == (100, 64) and yb.shape == (100,) and len(dls.train) == math.ceil(len(digits.x_train) / 100)
+    dls = ah.data.fastai_dls(digits, bs=100, seed=0)
     learn = Learner(dls, _model(3), loss_func=nn.CrossEntropyLoss(), opt_func=Adam, metrics=accuracy)
     hist = O.fastai_history(learn, 3, 1e-2, one_cycle=True)
-    assert len(hist.acc) == 3 and len(hist.seconds) == 3 and hist.acc[-1] > 0.75
-    assert hist.acc[-1] == pytest.approx(O.accuracy(learn.model, digits.x_test, digits.y_test), abs=1e-6)
-    with pytest.raises(ValueError, match="batch size"):
-        O.fastai_dls(digits, bs=0)
+    assert isinstance(hist, ah.train.FitHistory)
+    assert len(hist.acc) == len(hist.loss) == len(hist.seconds) == 3 and hist.acc[-1] > 0.75
+    assert hist.acc[-1] == pytest.approx(ah.metrics.model_accuracy(learn.model, digits.x_test, digits.y_test),
+                                         abs=1e-6)
     with pytest.raises(ValueError, match="metrics=accuracy"):
         O.fastai_history(Learner(dls, _model(3), loss_func=nn.CrossEntropyLoss()), 1, 1e-3)

@@ -137,7 +137,7 @@ def test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax(onnx_mlp, tmp_path):
     compiled = toolflows.openvino_compile(model)
     with torch.no_grad():
         ref = m(torch.from_numpy(x)).numpy()
-    assert ah.deploy.agreement(toolflows.openvino_run(compiled, x), ref)["argmax_agreement"] >= 0.9
+    assert ah.metrics.agreement(toolflows.openvino_run(compiled, x), ref)["argmax_agreement"] >= 0.9
     kernels = toolflows.openvino_kernels(compiled)
     assert "FakeQuantize" in kernels or any("i8" in p or "u8" in p for ps in kernels.values() for p in ps)
     size = toolflows.openvino_save(model, tmp_path / "int8")
