@@ -144,11 +144,6 @@ def weights(run_or_path: Run | str | Path) -> dict[str, torch.Tensor]:
     return checkpoint.read_checkpoint(run_or_path)["model"]
 
 
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest absolute difference between two state dicts with the same keys (0.0: bit-identical)."""
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 # --- starting workers from a notebook ---------------------------------------------------------------------------
 
 def _env() -> dict[str, str]:

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import accelhelpers as ah
 from accelhelpers import checkpoint as ck
 from accelhelpers import faults, longrun
 
@@ -45,7 +46,7 @@ def test_a_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, at):
     resumed = longrun.train(longrun.resume(longrun.make_run(total_steps=20), tmp_path / "c.pt"), 20)
     for name in ("model", "opt", "sched"):
         assert same(getattr(reference, name).state_dict(), getattr(resumed, name).state_dict()), name
-    assert longrun.max_abs_diff(longrun.weights(reference), longrun.weights(resumed)) == 0.0
+    assert ah.metrics.max_abs_diff(longrun.weights(reference), longrun.weights(resumed)) == 0.0
 
 
 def test_training_in_pieces_equals_training_at_once():
@@ -59,7 +60,7 @@ def test_training_in_pieces_equals_training_at_once():
 def test_every_state_left_out_of_a_resume_changes_the_result(tmp_path, leave_out):
     longrun.save(longrun.train(longrun.make_run(total_steps=20), 11), tmp_path / "c.pt")
     resumed = longrun.train(longrun.resume(longrun.make_run(total_steps=20), tmp_path / "c.pt", leave_out), 20)
-    assert longrun.max_abs_diff(longrun.weights(straight()), longrun.weights(resumed)) > 0
+    assert ah.metrics.max_abs_diff(longrun.weights(straight()), longrun.weights(resumed)) > 0
 
 
 def test_resume_names_the_states_it_can_leave_out(tmp_path):
@@ -80,7 +81,7 @@ def test_train_step_takes_another_backward_and_after_step_stops_early():
 def test_weights_of_a_run_and_of_its_checkpoint_agree_and_exit_reason_reads_statuses(tmp_path):
     run = longrun.train(longrun.make_run(), 3)
     longrun.save(run, tmp_path / "w.pt")
-    assert longrun.max_abs_diff(longrun.weights(run), longrun.weights(tmp_path / "w.pt")) == 0.0
+    assert ah.metrics.max_abs_diff(longrun.weights(run), longrun.weights(tmp_path / "w.pt")) == 0.0
     assert [longrun.exit_reason(c) for c in (0, 1, -9, -15)] == ["exit 0", "exit 1", "killed by SIGKILL",
                                                                 "killed by SIGTERM"]
 
