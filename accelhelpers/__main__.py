@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--jobs", type=int, default=1, help="worker processes, one thread each (default 1: this one)")
     rp.add_argument("--threads", type=int, default=None,
                     help="torch threads per process (default: torch's, 1 with --jobs)")
-    rp.add_argument("--depths", default=None, help="comma-separated depths to train here (default 1,2,3,4)")
+    rp.add_argument("--depths", type=_depths, default=None, help="comma-separated depths to train here "
+                    "(default 1,2,3,4)")
     rp.add_argument("--epochs-scale", type=float, default=1.0, help="fraction of udlbook's epochs (tests, demos)")
     rp.add_argument("--test-every", type=int, default=100, help="measure the test error every k epochs (default 100)")
     rp.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between checkpoints (default 180)")
@@ -63,8 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _depths(text: str) -> list[int]:
+    """--depths: comma-separated whole numbers (which depths exist is the command's to check)."""
+    try:
+        return [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of depths such as 1,2") from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status: 0, 1 for a failed run, 2 for bad input (one line saying what to do),
+    130 when interrupted. Any other exception is a bug in the package and leaves with its traceback."""
+    from .course import CommandError
     from .device import DeviceUnavailable
 
     args = _parser().parse_args(argv)
@@ -113,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report: {html}\nreport: {md}")
         _note_missing_headlines(course, args.out)
         return 0
-    except (ValueError, DeviceUnavailable) as e:  # bad input or a device that is not here: one clear line, exit 2
+    except (CommandError, DeviceUnavailable) as e:  # bad input or a device that is not here: one clear line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,8 +7,8 @@ JSON schema ("accel-course/bench-fullbatch/2"):
   rounds, round_s    interleaved rounds (every variant once per round, in order) and seconds per variant-round
   workload           {"model": "udlbook MLP 4x63", "sizes": [...], "batch": 4000, "lr": 0.0025,
                       "train_flops_per_model_step": int}
-  peak_gflops        measured fp32 matmul peak of this device (GFLOP/s; best of one 1024^2 matmul
-                     measurement per round on a CPU, 8192^2 on a GPU, unless given)
+  peak_gflops        measured fp32 matmul peak of this device (GFLOP/s; the best round of a 1024^2 matmul timed
+                     in the interleaved rounds on a CPU, 8192^2 on a GPU, unless given)
   variants           one object per loop, in ablation order, with
       name, description     short id and what changed
       n_models              models trained by one step
@@ -33,17 +33,19 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import train
+from .course import CommandError
 from .data import Split, mnist1d
-from .device import best_device, hardware_report, sync
+from .device import as_device, best_device, hardware_report, sync
 from .models import udl_mlp, udl_sizes
-from .results import _atomic_write_text
-from .timing import matmul_gflops, mlp_flops
+from .results import atomic_write_text
+from .timing import interleaved, mlp_flops
 
 SCHEMA = "accel-course/bench-fullbatch/2"
 ORIGINAL_MODEL_EPOCHS = 3 * 200_000 + 500_000  # udlbook: depths 2-4 for 200k epochs, depth 1 for 500k
@@ -123,81 +125,71 @@ def variants(data: Split, n_models: int = 8, compile: bool = True) -> list[Varia
     return rows
 
 
-def prepare(variant: Variant, steps: int | None, seconds: float) -> tuple[Callable[[int], object], float, int]:
-    """Build one variant and warm it up (this is where torch.compile compiles); return (run, warm-up
-    seconds, steps per timed round): `steps`, or as many as last at least `seconds` (calibrated, 20 % margin)."""
-    dev = _device()
+def prepare(variant: Variant, device: torch.device, steps: int | None, round_s: float
+            ) -> tuple[Callable[[], object], float, int]:
+    """Build one variant and warm it up (this is where torch.compile compiles); return (one call of `steps` steps,
+    warm-up seconds, steps per call): `steps`, or about half a round's worth, timed after the warm-up (the
+    interleaved timer then repeats the call until a round lasts `round_s`)."""
     t0 = time.perf_counter()
     run = variant.make()
     run(WARMUP_STEPS)
-    sync(dev)
+    sync(device)
     warm = time.perf_counter() - t0
     if steps is None:
-        n, took = 2, 0.0
-        while took < 0.2 and n < 100_000:
-            n *= 2
-            t0 = time.perf_counter()
-            run(n)
-            sync(dev)
-            took = time.perf_counter() - t0
-        steps = int(min(1_000_000, max(2, 1.2 * seconds * n / took)))
-    return run, warm, steps
+        t0 = time.perf_counter()
+        run(WARMUP_STEPS)
+        sync(device)
+        per_step = (time.perf_counter() - t0) / WARMUP_STEPS
+        steps = int(min(1_000_000, max(1, round_s / 2 / per_step)))
+    return partial(run, steps), warm, steps
 
 
-def timed(run: Callable[[int], object], steps: int) -> float:
-    """Steps per second of one timed round."""
-    dev = _device()
-    sync(dev)
-    t0 = time.perf_counter()
-    run(steps)
-    sync(dev)
-    return steps / (time.perf_counter() - t0)
+def _peak_matmul(device: torch.device) -> tuple[Callable[[], object], int]:
+    """One fp32 n x n matmul (1024 on a CPU, 8192 on an accelerator) and its FLOPs: the peak, timed in the rounds."""
+    n = 1024 if device.type == "cpu" else 8192
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    return (lambda: torch.mm(a, b, out=out)), 2 * n**3
 
 
-_DEV: dict[str, torch.device] = {}
-
-
-def _device() -> torch.device:
-    """The device the benchmark runs on (chosen once)."""
-    if "d" not in _DEV:
-        _DEV["d"] = best_device()
-    return _DEV["d"]
+PEAK = "peak matmul"  # the peak's key among the interleaved functions (never a variant's name)
 
 
 def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = True,
                   data: Split | None = None, peak_gflops: float | None = None, seconds: float | None = None,
-                  rounds: int = 5, progress: bool = True, round_s: float | None = None) -> dict[str, Any]:
-    """Measure every variant in one process, `rounds` interleaved rounds of `round_s` seconds each (default 1 s;
-    or `seconds` per variant in all), and return the JSON-ready result (see the module docstring)."""
-    device = _device()
+                  rounds: int = 5, progress: bool = True, round_s: float | None = None,
+                  device: torch.device | str | None = None) -> dict[str, Any]:
+    """Measure every variant in one process, `rounds` interleaved rounds (ah.timing.interleaved) of `round_s`
+    seconds each (default 1 s; or `seconds` per variant in all), on `data`'s device (else `device`, else the best
+    one), and return the JSON-ready result (see the module docstring)."""
     if steps is not None and steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {steps}")
+        raise CommandError(f"--steps must be at least 1, got {steps}")
     if n_models < 1:
-        raise ValueError(f"--models must be at least 1, got {n_models}")
+        raise CommandError(f"--models must be at least 1, got {n_models}")
     if rounds < 1:
-        raise ValueError(f"--rounds must be at least 1, got {rounds}")
+        raise CommandError(f"--rounds must be at least 1, got {rounds}")
     if round_s is not None and not round_s > 0:
-        raise ValueError(f"--round-s must be positive, got {round_s}")
+        raise CommandError(f"--round-s must be positive, got {round_s}")
     round_s = round_s or (seconds / rounds if seconds else 1.0)
-    data = data if data is not None else mnist1d(device)
+    dev = data.device if data is not None else as_device(device) if device is not None else best_device()
+    data = data if data is not None else mnist1d(dev)
     flops = mlp_flops(udl_sizes(DEPTH), len(data.x_train))
     from tqdm.auto import tqdm
 
     load_before = _load()
     vs = variants(data, n_models, compile)
-    prepared = []
-    for v in tqdm(vs, desc="bench: warm-up", unit="variant", disable=not progress):
-        prepared.append(prepare(v, steps, round_s))
-    # Rounds interleave the variants, so a burst of load elsewhere hits all of them alike.
-    rates: list[list[float]] = [[] for _ in vs]
-    peaks = [peak_gflops] if peak_gflops else []
-    for _ in tqdm(range(rounds), desc="bench: rounds", unit="round", disable=not progress):
-        for i, (run, _, n) in enumerate(prepared):
-            rates[i].append(timed(run, n))
-        if not peak_gflops:
-            peaks.append(matmul_gflops(1024 if device.type == "cpu" else 8192, device, repeats=3))
-    peak = max(peaks)
-    rows = [_row(v, warm, n * rounds, r, rates[0], flops, peak) for v, (_, warm, n), r in zip(vs, prepared, rates)]
+    prepared = {v.name: prepare(v, dev, steps, round_s) for v in tqdm(vs, desc="bench: warm-up", unit="variant",
+                                                                       disable=not progress)}
+    fns = {name: fn for name, (fn, _, _) in prepared.items()}
+    if not peak_gflops:
+        fns[PEAK], peak_flops = _peak_matmul(dev)
+    # Rounds interleave the variants (and the peak), so a burst of load elsewhere hits all of them alike.
+    timings = interleaved(fns, dev, rounds=rounds, min_time=0.0 if steps else round_s)
+    peak = peak_gflops or peak_flops / timings[PEAK].best / 1e9
+    rates = {name: [n / t for t in timings[name].times] for name, (_, _, n) in prepared.items()}
+    naive = rates[vs[0].name]
+    rows = [_row(v, prepared[v.name][1], prepared[v.name][2] * timings[v.name].calls_per_repeat * rounds,
+                 rates[v.name], naive, flops, peak) for v in vs]
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "hardware": hardware_report(),
             "load": {"before": load_before, "after": _load()}, "rounds": rounds, "round_s": round_s,
             "workload": {"model": "udlbook MLP 4x63", "sizes": udl_sizes(DEPTH), "batch": len(data.x_train),
@@ -236,7 +228,7 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{r['name']:10} {r['n_models']:6d} {r['steps_per_s']:9.1f} {f'{lo:.0f}-{hi:.0f}':>13} "
                      f"{r['model_steps_per_s']:13.1f} {r['gflops']:8.1f} {r['fraction_of_peak']:8.1%} "
                      f"{r['speedup_vs_naive']:7.1f}x {f'{rlo:.1f}-{rhi:.1f}x':>13} "
-                     f"{_hours(r['original_experiment_h']):>12}")
+                     f"{hours(r['original_experiment_h']):>12}")
     lines.append(f"medians of {result.get('rounds', '?')} interleaved rounds of {result.get('round_s', 0):.1f} s per "
                  f"variant (ranges: lowest-highest round); load average {result.get('load', {}).get('before')} "
                  f"before, {result.get('load', {}).get('after')} after")
@@ -245,18 +237,18 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _hours(h: float) -> str:
-    """A duration in hours as a short human string."""
+def hours(h: float) -> str:
+    """A duration in hours as a short human string: '40 min', '3.2 h', '5.1 days'."""
     return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days"
 
 
 def main(args: Any) -> int:
     """CLI entry: run the benchmark, print the table, write JSON if asked."""
     if args.json is not None and args.json.exists() and args.json.is_dir():
-        raise ValueError(f"--json {args.json} is a folder: give a file path such as build/bench.json")
+        raise CommandError(f"--json {args.json} is a folder: give a file path such as build/bench.json")
     result = run_fullbatch(steps=args.steps, n_models=args.models or 8, rounds=args.rounds, round_s=args.round_s)
     print(table(result))
     if args.json is not None:
-        _atomic_write_text(Path(args.json), json.dumps(result, indent=1))
+        atomic_write_text(Path(args.json), json.dumps(result, indent=1))
         print(f"wrote {args.json}")
     return 0

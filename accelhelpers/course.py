@@ -34,7 +34,12 @@ TITLES = {
 }
 
 
-class CourseError(ValueError):
+class CommandError(ValueError):
+    """Bad input to one of the package's commands (course, bench, reproduce): the CLI prints its message, which
+    names the fix, as one line and exits with status 2. Any other exception is a bug and keeps its traceback."""
+
+
+class CourseError(CommandError):
     """Bad arguments to the course runner; the message names the valid choices."""
 
 
@@ -102,6 +107,20 @@ def _check_out(out: Path) -> None:
                           "folder outside accelhelpers/, notebooks/ and tests/")
 
 
+def _kernel_config() -> Any:
+    """The kernel manager's settings for the chapters' kernels: CurveZMQ keys provisioned by the manager
+    (jupyter_client's transport_encryption), so the kernel's sockets are encrypted. Without keys, ipykernel warns
+    once per kernel that it is 'running over TCP without encryption' (on its stderr, which the runner shares).
+    Where jupyter_client or pyzmq cannot encrypt, nothing is changed (and the warning stays true)."""
+    import zmq
+    from jupyter_client.manager import KernelManager
+    from traitlets.config import Config
+
+    if "transport_encryption" in KernelManager.class_traits() and zmq.has("curve"):
+        return Config({"KernelManager": {"transport_encryption": "required"}})
+    return Config()
+
+
 def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
     """Execute one chapter with papermill into out/notebooks; never raises for a failing notebook."""
     import papermill as pm
@@ -118,7 +137,7 @@ def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
     try:
         pm.execute_notebook(str(nb), str(out / "notebooks" / nb.name), cwd=str(nb.parent),
                             parameters={"PROFILE": profile}, progress_bar=False, log_output=False,
-                            kernel_name="python3")
+                            kernel_name="python3", config=_kernel_config())
     except Exception as e:  # a failing chapter is reported, the others still run
         status["ok"] = False
         status["error"] = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
@@ -135,7 +154,7 @@ def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
 def run(profile: str = "quick", only: str | list[str] | None = None, out: Path | None = None,
         progress: bool = True) -> list[dict[str, Any]]:
     """Execute the chosen chapters into `out` (default build/), record run times and failures in run.json."""
-    out = Path(out) if out else default_out()
+    out = (Path(out) if out else default_out()).resolve()  # the kernels run in notebooks/: no relative paths
     selected = check_args(profile, only, out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     from tqdm.auto import tqdm
@@ -158,7 +177,18 @@ def _load_run(out: Path) -> dict[str, Any]:
     path = out / "run.json"
     if not path.exists():
         raise CourseError(f"no course run found in {out}: run `python -m accelhelpers course run` first")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CourseError(f"{path} is not valid JSON ({e}): run `python -m accelhelpers course run` again") from e
+
+
+def _results(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """The recorded results of a run; a damaged results file is the user's to fix, said in one line."""
+    try:
+        return load_results(folder)
+    except ValueError as e:  # results.load_chapter's only error: a file that is not JSON, named with the fix
+        raise CourseError(str(e)) from e
 
 
 # The headline table of the report: per chapter, the results that say most about this machine, with a label.
@@ -245,7 +275,7 @@ def noisy_chapters(results: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 def missing_headlines(out: Path | None = None) -> list[str]:
     """Headline results that a chapter which ran without error did not record (a renamed result, say)."""
     out = Path(out) if out else default_out()
-    results = load_results(out / "results")
+    results = _results(out / "results")
     missing = []
     for key, st in _load_run(out)["chapters"].items():
         recorded = {e["name"] for e in results.get(key, [])}
@@ -265,7 +295,7 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
     """Write report.md and report.html in `out` from run.json, the recorded results and the figures."""
     out = Path(out) if out else default_out()
     run_info = _load_run(out)
-    results = load_results(out / "results")
+    results = _results(out / "results")
     figures = sorted((out / "results" / "figures").glob("*.png"))
     hw = run_info.get("hardware") or hardware_report()
     chs = run_info["chapters"]
@@ -436,7 +466,7 @@ def _udlbook_table(path: Path) -> list[str]:
 def _run_table(folder: Path, what: str) -> list[str]:
     """A recorded course run or device check: chapter, seconds, headline results."""
     run_info = _load_run(folder)
-    results = load_results(folder / "results")
+    results = _results(folder / "results")
     heads: dict[str, list[str]] = {}
     for key, label, value, _ in headlines(results):
         heads.setdefault(key, []).append(f"{label}: **{value}**")

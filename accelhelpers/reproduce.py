@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from . import checkpoint, metrics, train
+from .course import CommandError
 from .data import Split, mnist1d
 from .device import hardware_report
 from .models import count_params, udl_mlp, udl_sizes
@@ -111,7 +112,7 @@ def _lock(out: Path, depth: int) -> Path:
         except ValueError:
             pid = 0
         if pid and pid != os.getpid() and _alive(pid):
-            raise ValueError(f"depth {depth} in {out} is being trained by process {pid}: wait for it or stop it "
+            raise CommandError(f"depth {depth} in {out} is being trained by process {pid}: wait for it or stop it "
                              f"(kill -INT {pid}), then --resume")
     atomic_write_text(path, str(os.getpid()))
     return path
@@ -145,7 +146,7 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
         if was != value:
             flag = {"epochs": "--epochs-scale", "test_every": "--test-every", "compile": "--no-compile",
                     "threads": "--threads", "device": "a machine with the same kind of device"}[key]
-            raise ValueError(f"depth {depth} in {out} was started with {key}={was}, not {value}: resume "
+            raise CommandError(f"depth {depth} in {out} was started with {key}={was}, not {value}: resume "
                              f"with the same {flag} (another value changes the arithmetic and so the result)")
     return st
 
@@ -316,10 +317,10 @@ def load_result(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = _paths(path)["json"]
     if not path.exists():
-        raise ValueError(f"no {EXPERIMENT} result at {path}: run `python -m accelhelpers reproduce {EXPERIMENT}`")
+        raise CommandError(f"no {EXPERIMENT} result at {path}: run `python -m accelhelpers reproduce {EXPERIMENT}`")
     result = json.loads(path.read_text())
     if result.get("schema") != SCHEMA:
-        raise ValueError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
+        raise CommandError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
     return result
 
 
@@ -368,6 +369,10 @@ def _worker_cmd(out: Path, depths: list[int], settings: Settings, checkpoint_s: 
     return cmd + ([] if settings.compile else ["--no-compile"])
 
 
+class WorkerFailed(RuntimeError):
+    """A worker process of `--jobs N` exited with an error (printed above by the worker itself)."""
+
+
 def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, checkpoint_s: float) -> None:
     """Train the depths in `jobs` worker processes (one thread each) and show one progress bar for all."""
     env = dict(os.environ, TQDM_DISABLE="1", OMP_NUM_THREADS=str(settings.threads or 1))
@@ -389,7 +394,7 @@ def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, check
         bar.close()
     bad = [p.returncode for p in procs if p.returncode != 0]
     if bad:
-        raise ValueError(f"a worker process failed (exit {bad[0]}); its error is printed above; fix it and --resume")
+        raise WorkerFailed(f"a worker process failed (exit {bad[0]}); its error is printed above; fix it and --resume")
 
 
 def _progress_of(out: Path, depth: int) -> int:
@@ -451,30 +456,32 @@ def _bar(total: int, desc: str) -> Any:
 def _check_args(out: Path, resume: bool, settings: Settings, depths: list[int], jobs: int, worker: bool) -> None:
     """Refuse settings and output folders that would give a wrong or overwritten run, with what to do."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give a folder such as build/udlbook-full")
+        raise CommandError(f"--out {out} is a file: give a folder such as build/udlbook-full")
     if not worker and _paths(out)["json"].exists():
-        raise ValueError(f"{out} already holds a completed {EXPERIMENT} run: choose another --out or delete it")
+        raise CommandError(f"{out} already holds a completed {EXPERIMENT} run: choose another --out or delete it")
     if not resume and any(_ckpt(out, d).exists() for d in EPOCHS):
-        raise ValueError(f"{out} holds an unfinished run: add --resume to continue it, or choose another --out")
+        raise CommandError(f"{out} holds an unfinished run: add --resume to continue it, or choose another --out")
     if bad := [d for d in depths if d not in EPOCHS]:
-        raise ValueError(f"--depths must be among 1,2,3,4, got {bad}")
+        raise CommandError(f"--depths must be among 1,2,3,4, got {bad}")
     if not (0 < settings.epochs_scale <= 1):
-        raise ValueError(f"--epochs-scale must be in (0, 1], got {settings.epochs_scale}")
+        raise CommandError(f"--epochs-scale must be in (0, 1], got {settings.epochs_scale}")
     if settings.test_every < 1:
-        raise ValueError(f"--test-every must be at least 1, got {settings.test_every}")
+        raise CommandError(f"--test-every must be at least 1, got {settings.test_every}")
     if settings.threads is not None and settings.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {settings.threads}")
+        raise CommandError(f"--threads must be at least 1, got {settings.threads}")
     if jobs < 1:
-        raise ValueError(f"--jobs must be at least 1, got {jobs}")
+        raise CommandError(f"--jobs must be at least 1, got {jobs}")
 
 
 def main(args: Any) -> int:
     """CLI entry: run or resume the experiment, print where the outputs are and the final errors."""
     threads = args.threads if args.threads is not None else (1 if args.jobs > 1 else None)
     settings = Settings(args.epochs_scale, args.test_every, threads, not args.no_compile)
-    depths = [int(d) for d in args.depths.split(",")] if args.depths else None
     try:
-        result = run(args.out, args.resume, settings, depths, args.jobs, args.worker, args.checkpoint_every)
+        result = run(args.out, args.resume, settings, args.depths, args.jobs, args.worker, args.checkpoint_every)
+    except WorkerFailed as e:  # the worker printed its own traceback: one line here
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"interrupted: progress is checkpointed in {args.out}; continue with the same command plus --resume",
               file=sys.stderr)

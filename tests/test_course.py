@@ -36,7 +36,9 @@ def toy_course(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
     _notebook(nbs / "01_ok.ipynb", "import accelhelpers as ah\nS = ah.setup('01', verbose=False)",
-              "ah.record('answer', 42.0, 'units', 'a toy result')")
+              "ah.record('answer', 42.0, 'units', 'a toy result')",
+              "from ipykernel.connect import get_connection_info\n"
+              "print('encrypted:', 'curve_secretkey' in get_connection_info(unpack=True))")
     _notebook(nbs / "02_broken.ipynb", "import accelhelpers as ah\nah.setup('02', verbose=False)",
               "raise RuntimeError('this chapter is broken on purpose')")
     _notebook(nbs / "03_ok.ipynb", "import accelhelpers as ah\nah.setup('03', verbose=False)",
@@ -52,8 +54,13 @@ def test_env_prints_the_report():
 
 def test_run_goes_on_past_a_failing_chapter_and_names_it(toy_course):
     out = toy_course / "build"
-    r = cli("course", "run", "--out", str(out), env={"ACCEL_NOTEBOOKS": str(toy_course / "notebooks")})
+    r = cli("course", "run", "--out", "build", env={"ACCEL_NOTEBOOKS": str(toy_course / "notebooks")}, cwd=toy_course)
     assert r.returncode == 1
+    # each kernel gets CurveZMQ keys from its manager, so none warns that it runs over TCP without encryption
+    assert "without encryption" not in r.stderr
+    done = nbformat.read(out / "notebooks" / "01_ok.ipynb", as_version=4)
+    assert done.cells[-1].outputs[0]["text"] == "encrypted: True\n"
+    assert not (toy_course / "notebooks" / "build").exists()  # a relative --out is the caller's, not the kernel's
     assert "02_broken.ipynb" in r.stderr and "failed" in r.stderr
     run = json.loads((out / "run.json").read_text())
     assert [run["chapters"][k]["ok"] for k in ("01", "02", "03")] == [True, False, True]
@@ -277,3 +284,33 @@ def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_s
     assert "a &lt;b&gt;bold&lt;/b&gt; &amp; claim" in page and "<td class=num>213 GFLOP/s</td>" in page
     assert "<img src='results/figures/01_plot.png' alt='01_plot'>" in page and "all 1 recorded results" in page
     assert page.count("<h2 id=ch") == 2 and "{{" not in page and "{%" not in page
+
+
+def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path, monkeypatch):
+    """Only the package's own input errors (CommandError, DeviceUnavailable) become one line and exit 2; any other
+    exception, a ValueError from deep inside included, is a bug and keeps its traceback."""
+    from accelhelpers import course
+    from accelhelpers.__main__ import main
+
+    (tmp_path / "run.json").write_text("{not json")
+    r = cli("course", "report", "--out", str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "run.json is not valid JSON" in r.stderr
+    r = cli("reproduce", "udlbook-20.2", "--depths", "7", "--out", str(tmp_path / "udl"))
+    assert r.returncode == 2 and r.stderr.strip() == "error: --depths must be among 1,2,3,4, got [7]"
+    r = cli("reproduce", "udlbook-20.2", "--depths", "one", "--out", str(tmp_path / "udl"))
+    assert r.returncode == 2 and "'one' is not a comma-separated list of depths" in r.stderr
+    assert not (tmp_path / "udl").exists()
+
+    def bug(*args, **kwargs):
+        raise ValueError("an internal bug, not bad input")
+
+    monkeypatch.setattr(course, "write_readme", bug)
+    with pytest.raises(ValueError, match="internal bug"):
+        main(["course", "readme", "--check"])
+    code = ("import sys; from accelhelpers import course; from accelhelpers.__main__ import main\n"
+            "def bug(**kw): raise ValueError('an internal bug')\n"
+            "course.write_readme = bug; sys.exit(main(['course', 'readme']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
+    assert r.stderr.strip().endswith("ValueError: an internal bug") and "error: an internal bug" not in r.stderr
