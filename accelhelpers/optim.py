@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .metrics import max_abs_diff
 from .train import FitHistory
 
 StepCallback = Callable[..., "dict[str, Any] | None"]
@@ -183,7 +184,7 @@ def max_param_gap(model_fn: Callable[[], nn.Module], make_a: Callable[[list[nn.P
                 pb.grad = pa.grad.clone()
         opt_a.step()
         opt_b.step()
-    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+    return max_abs_diff(list(a.parameters()), list(b.parameters()))  # parameters only: b runs no forward
 
 
 def set_hypers(opt: torch.optim.Optimizer, **hypers: float) -> None:
