@@ -226,6 +226,13 @@ def test_amp_step_keeps_fp32_weights_and_two_heads_leaves_one_head_unused():
     assert heads.heads["b"].weight.grad is None and heads.heads["a"].weight.grad is not None
 
 
+def test_spawn_hello_is_importable_by_name(capsys):
+    import pickle
+    assert pickle.loads(pickle.dumps(parallel.spawn_hello)) is parallel.spawn_hello  # what mp.spawn's children do
+    parallel.spawn_hello(1, 2)
+    assert "spawned process 1 of 2" in capsys.readouterr().out
+
+
 def test_torchrun_refuses_an_unknown_worker():
     with pytest.raises(ValueError, match="unknown worker 'nope'"):
         parallel.torchrun("nope")
