@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-OOM_KINDS = ("cuda", "mps", "xla", "cpu")
-
 
 class NonFiniteError(FloatingPointError):
     """The loss or a gradient is NaN or infinite on at least one rank; every rank raises it at the same step."""
