@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import checkpoint, faults
+from . import checkpoint, faults, launch
 from .session import seed_everything
 
 LEAVE_OUT = ("optimizer", "scheduler", "python", "numpy", "torch", "loader")
-ENV = {"USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+WORKER = "accelhelpers.longrun"  # the module every worker runs (python -m / torchrun -m)
+ENV = {"TQDM_DISABLE": "1"}  # on top of launch.ENV (one thread per process, no XLA, unbuffered output)
 
 
 @dataclass
@@ -146,35 +147,21 @@ def weights(run_or_path: Run | str | Path) -> dict[str, torch.Tensor]:
 
 # --- starting workers from a notebook ---------------------------------------------------------------------------
 
-def _env() -> dict[str, str]:
-    """This environment with one torch thread per worker and XLA kept out of accelerate."""
-    return {**os.environ, **ENV}
+def start(name: str, *args: object) -> subprocess.Popen:
+    """Start `python -m accelhelpers.longrun NAME ARGS` in a fresh process group (`launch.start`), output piped."""
+    return launch.start([sys.executable, *launch.python_target(WORKER), name, *map(str, args)], env=ENV)
 
 
-def start(name: str, *args: str) -> subprocess.Popen:
-    """Start `python -m accelhelpers.longrun NAME ARGS` in a fresh process, its output piped as text."""
-    return subprocess.Popen([sys.executable, "-m", "accelhelpers.longrun", name, *map(str, args)], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def torchrun(name: str, *args: str, restarts: int = 0, nproc: int = 2) -> subprocess.Popen:
+def torchrun(name: str, *args: object, restarts: int = 0, nproc: int = 2) -> subprocess.Popen:
     """Start `torchrun --standalone --nproc-per-node=NPROC --max-restarts=RESTARTS -m accelhelpers.longrun ...`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={restarts}", "-m", "accelhelpers.longrun", name, *map(str, args)]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return launch.start(launch.torchrun_cmd(WORKER, name, *args, nproc=nproc, max_restarts=restarts), env=ENV)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[int, str]:
-    """Wait for a worker; past `timeout` seconds kill its whole process group and raise TimeoutError."""
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"worker {' '.join(map(str, proc.args[3:6]))} ran past {timeout} s and was killed; "
-                           f"its last output: {out[-300:]!r}") from None
-    return proc.returncode, out
+    """Wait for a worker (`launch.finish`, silently, any exit status) and return (exit status, output); past
+    `timeout` seconds its whole process group is killed and TimeoutError raised."""
+    run = launch.finish(proc, timeout, echo=False, check=False)
+    return run.returncode, run.output
 
 
 def wait_for(proc: subprocess.Popen, text: str, timeout: float = 180) -> None:

@@ -160,7 +160,7 @@ def test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout(tmp_path):
         longrun.wait_for(proc, "NEVER", timeout=1)
     assert proc.poll() is not None
     proc = longrun.start("train", tmp_path, "--steps", 10**6, "--every", 10**6)
-    with pytest.raises(TimeoutError, match=r"worker train .* ran past 1 s and was killed"):
+    with pytest.raises(TimeoutError, match=r"accelhelpers\.longrun train .* ran past 1 s and was killed"):
         longrun.finish(proc, timeout=1)
     assert proc.poll() is not None
     proc = longrun.start("train", tmp_path / "short", "--steps", 3)
