@@ -27,7 +27,7 @@ from . import launch, metrics, session, timing, train
 from .faults import finish_distributed, init_distributed
 from .models import mlp
 
-WORKERS = ("equivalence", "ddp_train", "fastai_train", "accelerate_launchers", "fsdp_memory", "techniques")
+WORKERS = ("equivalence", "ddp_train", "fastai_train", "accelerate_launchers", "techniques")
 
 
 # --- launching ---------------------------------------------------------------------------------------------------
@@ -343,13 +343,12 @@ def accelerate_launchers(out: Path, nproc: int) -> None:
 
 # --- beyond data parallel: FSDP2 -------------------------------------------------------------------------------------
 
-def fsdp_memory(out: Path, width: int) -> None:
-    """Worker: the same MLP under DDP (every rank holds all parameters) and under FSDP2's fully_shard (each rank
-    holds 1/world); both take one training step on the same shard and rank 0 records bytes and losses."""
+def fsdp_vs_ddp(width: int) -> dict[str, Any]:
+    """The same MLP under DDP (every rank holds all parameters) and under FSDP2's fully_shard (each rank holds
+    1/world), one training step each on the same shard: parameter bytes this rank holds, and the loss after."""
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = init_distributed("gloo", 60.0)
-    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
     x, y = toy_data(2, 8 * world, d_in=width)
     xs, ys = shard(x, rank, world), shard(y, rank, world)
     res: dict[str, Any] = {"world": world}
@@ -369,11 +368,7 @@ def fsdp_memory(out: Path, width: int) -> None:
         local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP2: own shard
         res[kind] = {"param_bytes": sum(t.numel() * t.element_size() for t in local),
                      "loss_after_step": float(loss) / world}
-    if rank == 0:
-        print(f"[rank0] parameter bytes per rank: DDP {res['ddp']['param_bytes']}, "
-              f"FSDP2 {res['fsdp']['param_bytes']}", flush=True)
-        (out / "fsdp.json").write_text(json.dumps(res))
-    finish_distributed()
+    return res
 
 
 # --- chapter 06's techniques, measured in one launch (each launch costs seconds of start-up) ---------------------
@@ -561,15 +556,20 @@ def pipeline_bubble(micro_batches: list[int], batch: int, width: int, depth: int
     return res
 
 
-def techniques(out: Path, steps: int, rounds: int) -> None:
-    """Worker: AMP inside DDP, find_unused_parameters / static_graph, an all-reduce sweep over message sizes and
-    GPipe micro-batch pipelining, in one launch; rank 0 writes techniques.json (its view; pipeline: both ranks)."""
+def techniques(out: Path, steps: int, rounds: int, width: int) -> None:
+    """Worker: FSDP2's memory against DDP's, AMP inside DDP, find_unused_parameters / static_graph, an all-reduce
+    sweep over message sizes and GPipe micro-batch pipelining, in one launch (each launch costs seconds of
+    start-up); rank 0 writes techniques.json (its view; pipeline: both ranks')."""
     from .data import mnist1d
 
     rank, world = init_distributed("gloo", 120.0)
     torch.set_num_threads(1)
     data = mnist1d()
-    res: dict[str, Any] = {"world": world, "amp": amp_ddp(steps, 64, 256, rounds)}
+    res: dict[str, Any] = {"world": world, "fsdp": fsdp_vs_ddp(width)}
+    if rank == 0:
+        print(f"[rank0] parameter bytes per rank: DDP {res['fsdp']['ddp']['param_bytes']}, "
+              f"FSDP2 {res['fsdp']['fsdp']['param_bytes']}", flush=True)
+    res["amp"] = amp_ddp(steps, 64, 256, rounds)
     res["unused"] = unused_parameters(data.x_train[:256], data.y_train[:256], rounds)
     res["allreduce"] = allreduce_sweep([4**k for k in range(5, 13)], reps=rounds + 4)
     if world == 2:
@@ -579,7 +579,7 @@ def techniques(out: Path, steps: int, rounds: int) -> None:
         res["pipeline"] = both
     if rank == 0:
         (out / "techniques.json").write_text(json.dumps(res))
-        print(f"[rank0] techniques done: AMP {res['amp']['dtype']}, find_unused, all-reduce sweep, pipeline",
+        print(f"[rank0] techniques done: FSDP2, AMP {res['amp']['dtype']}, find_unused, all-reduce sweep, pipeline",
               flush=True)
     finish_distributed()
 
@@ -637,10 +637,8 @@ def main(argv: list[str] | None = None) -> None:
         fastai_train(a.out, a.epochs, a.batch, a.lr, not a.no_patch)
     elif a.name == "accelerate_launchers":
         accelerate_launchers(a.out, a.nproc)
-    elif a.name == "techniques":
-        techniques(a.out, a.steps, a.rounds)
     else:
-        fsdp_memory(a.out, a.width)
+        techniques(a.out, a.steps, a.rounds, a.width)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def jobs(tmp_path_factory):
         "fastai": lambda: parallel.torchrun("fastai_train", d / "fastai", "--epochs", "1", "--batch", "64",
                                             "--lr", "0.01", timeout_s=TIMEOUT, echo=False),
         "techniques": lambda: parallel.torchrun("techniques", d / "tech", "--steps", "20", "--rounds", "2",
-                                                timeout_s=TIMEOUT, echo=False),
+                                                "--width", "64", timeout_s=TIMEOUT, echo=False),
         "accelerate": lambda: launch.launch([sys.executable, "-m", "accelhelpers.parallel", "accelerate_launchers",
                                              str(d / "acc")], timeout_s=TIMEOUT, echo=False),
     }
@@ -107,7 +107,7 @@ def test_fastai_guide_path_trains_on_two_cpu_processes_with_the_patch(jobs):
         assert res["setup_distrib"].startswith("RuntimeError")  # torch.cuda.set_device on a CPU rank
 
 
-def test_techniques_amp_unused_parameters_allreduce_and_pipeline_on_two_ranks(jobs):
+def test_techniques_fsdp_amp_unused_parameters_allreduce_and_pipeline_on_two_ranks(jobs):
     d, results = jobs
     _ok(results, "techniques")
     res = json.loads((d / "tech" / "techniques.json").read_text())
@@ -115,6 +115,8 @@ def test_techniques_amp_unused_parameters_allreduce_and_pipeline_on_two_ranks(jo
     assert amp["dtype"] == ("float16" if parallel.rank_device(2) == "cuda" else "bfloat16")
     assert amp["amp"]["grad_dtype"] == amp["fp32"]["grad_dtype"] == "float32"  # autocast leaves weights fp32
     assert amp["amp"]["scaler_enabled"] == (amp["dtype"] == "float16")
+    assert res["fsdp"]["fsdp"]["param_bytes"] < 0.6 * res["fsdp"]["ddp"]["param_bytes"]  # each rank holds ~1/2
+    assert res["fsdp"]["fsdp"]["loss_after_step"] == pytest.approx(res["fsdp"]["ddp"]["loss_after_step"], rel=1e-4)
     assert "find_unused_parameters=True" in res["unused"]["default"]
     assert res["unused"]["find_unused_parameters"] == res["unused"]["static_graph"] == "trained 3 steps"
     assert set(res["unused"]["step_ms"]) == {"default", "find_unused_parameters", "static_graph"}
@@ -181,9 +183,10 @@ def test_ddp_train_worker_checkpoints_reloads_and_times(group1, tmp_path):
         parallel.scaling_summary([])
 
 
-def test_fsdp_worker_shards_nothing_at_world_1_and_matches_ddp(group1, tmp_path):
-    parallel.main(["fsdp_memory", str(tmp_path), "--width", "16"])
-    res = json.loads((tmp_path / "fsdp.json").read_text())
+def test_fsdp_vs_ddp_shards_nothing_at_world_1_and_matches_ddp(group1):
+    from accelhelpers.faults import init_distributed
+    init_distributed("gloo", 30)
+    res = parallel.fsdp_vs_ddp(16)
     full = metrics.param_bytes(parallel.mlp([16, 16, 16, 1]))
     assert res["ddp"]["param_bytes"] == res["fsdp"]["param_bytes"] == full == 4 * (2 * 16 * 16 + 16 + 16 + 16 + 1)
     assert res["fsdp"]["loss_after_step"] == pytest.approx(res["ddp"]["loss_after_step"], rel=1e-5)
