@@ -9,10 +9,8 @@ target (`os.replace` is atomic), so a crash mid-save leaves the previous file in
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import re
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,6 +19,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 from torch import nn
+
+from .results import atomic_write
 
 FORMAT = "accelhelpers.checkpoint/1"
 SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -119,39 +119,10 @@ def _check_plain(obj: Any, where: str = "extra") -> None:
                     "use numbers, strings, tensors, and lists/tuples/dicts of them (e.g. torch.from_numpy(a))")
 
 
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj: Any, path: str | Path, write: Callable[[Any, BinaryIO], Any] | None = None) -> Path:
-    """`write(obj, file)` (default `torch.save`) into a temporary file in the same folder, fsync, `os.replace`:
-    the file at `path` is the old one or the new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a save that was killed
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            (write or _serialize)(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    """`write(obj, file)` (default `torch.save`) through `results.atomic_write`: a temporary file in the same
+    folder, fsync, `os.replace`: the file at `path` is the old one or the new one, never a part."""
+    return atomic_write(path, lambda f: (write or _serialize)(obj, f))
 
 
 def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

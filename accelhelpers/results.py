@@ -7,8 +7,9 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 _state: dict[str, str | None] = {"chapter": None}
 
@@ -48,19 +49,45 @@ def current_chapter() -> str:
     return _state["chapter"] or "scratch"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write bytes through a temporary file, fsync and a rename, so readers never see half a file."""
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """`write(file)` into a temporary file beside `path`, fsync it, rename it over `path` (`os.replace` is atomic),
+    fsync the folder: readers see the old file or the new one, never a part. Temporaries left by a writer that
+    was killed are removed first."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write bytes atomically (see `atomic_write`)."""
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

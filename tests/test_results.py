@@ -66,3 +66,21 @@ def test_setup_seeds_and_announces(capsys):
     assert "best_device" in out and s.chapter == "95" and results.current_chapter() == "95"
     if s.device.type == "cpu":
         assert "no GPU or TPU found" in out and s.quick
+
+
+def test_atomic_write_streams_removes_stale_temporaries_and_keeps_the_old_file_on_error(tmp_path):
+    from accelhelpers.results import atomic_write
+
+    target = tmp_path / "out.bin"
+    stale = tmp_path / ".out.bin.abc123.tmp"
+    stale.write_bytes(b"left by a killed writer")
+    atomic_write(target, lambda f: f.write(b"first"))
+    assert target.read_bytes() == b"first" and not stale.exists()
+
+    def broken(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, broken)
+    assert target.read_bytes() == b"first" and list(tmp_path.iterdir()) == [target]
