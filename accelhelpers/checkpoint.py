@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .internals import compiled_original
 from .results import atomic_write
 
 FORMAT = "accelhelpers.checkpoint/1"
@@ -70,8 +71,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif compiled_original(model) is not None:
+            model = compiled_original(model)
         else:
             return model
 

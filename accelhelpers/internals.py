@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # public alternative: none; torch's docs teach this class
 
-__all__ = ["TorchDispatchMode", "dynamo_explain", "inductor_compile_threads", "mark_static_address",
+__all__ = ["TorchDispatchMode", "compiled_original", "dynamo_explain", "inductor_compile_threads", "mark_static_address",
            "quiet_dynamo_logs", "reset_accelerate_state", "xla_pending_ir", "xla_runtime_started"]
 
 
@@ -22,6 +22,14 @@ def mark_static_address(t: torch.Tensor) -> None:
     """Tell torch.compile that `t` keeps its address (CUDA graphs need not copy it in).
     Public alternative: none in torch 2.9; `torch.compile(mode="reduce-overhead")` copies inputs it cannot trust."""
     torch._dynamo.mark_static_address(t)
+
+
+def compiled_original(model: Any) -> Any:
+    """The module a `torch.compile` wrapper (OptimizedModule) holds, or None for any other object.
+    Public alternative: keep a reference to the module you compiled; a checkpoint helper handed only the wrapper
+    cannot, so it reads `_orig_mod` (the state-dict keys of a compiled module start with `_orig_mod.`)."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
 
 
 def dynamo_explain(fn: Callable[..., Any], *args: Any) -> Any:
