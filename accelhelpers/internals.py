@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # public alternative: none; torch's docs teach this class
 
-__all__ = ["TorchDispatchMode", "compiled_original", "dynamo_explain", "inductor_compile_threads", "mark_static_address",
-           "quiet_dynamo_logs", "reset_accelerate_state", "xla_pending_ir", "xla_runtime_started"]
+__all__ = ["TorchDispatchMode", "compiled_original", "dynamo_explain", "inductor_compile_threads",
+           "mark_static_address", "quiet_dynamo_logs", "reset_accelerate_state", "xla_pending_ir",
+           "xla_runtime_started"]
 
 
 def mark_static_address(t: torch.Tensor) -> None:
