@@ -391,7 +391,8 @@ def amp_ddp(steps: int, batch: int, width: int, rounds: int) -> dict[str, Any]:
     test accuracy of each, the gradients' dtype, and the step time of each (interleaved rounds)."""
     from .data import mnist1d
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if rank_device() == "cuda" else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local) if rank_device() == "cuda" else torch.device("cpu")  # one GPU per rank
     low = torch.float16 if dev.type == "cuda" else torch.bfloat16
     data, rank = mnist1d(), dist.get_rank()
     x, y = data.x_train.to(dev), data.y_train.to(dev)
