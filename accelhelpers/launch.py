@@ -61,8 +61,7 @@ def torchrun_cmd(target: str | Path, *args: object, nproc: int = 2, nnodes: int 
 
 
 def start(cmd: list[str], env: dict[str, str | None] | None = None) -> subprocess.Popen:
-    """Start `cmd` in a new process group (so it can be killed whole), stdout and stderr merged, as text; `env`
-    adds to this environment and ENV (a value None removes that variable)."""
+    """Start `cmd` in its own process group, output merged, with `env` over os.environ and ENV (None: unset)."""
     merged = {**os.environ, **ENV, **(env or {})}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={k: v for k, v in merged.items() if v is not None}, start_new_session=True)
@@ -107,10 +106,8 @@ def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | No
 
 def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, check: bool = True,
            stop_on: str | None = None, stop_ok: bool = False) -> Run:
-    """Stream a started child's output until it exits; at a `stop_on` line, or past `timeout_s`, kill its group.
-
-    Past the deadline: TimeoutError, or with `stop_ok` a Run whose returncode is None; a nonzero exit with `check`:
-    RuntimeError with the last output."""
+    """Stream a child's output to its exit; kill its group at a `stop_on` line (returncode None) or past
+    `timeout_s` (TimeoutError, or returncode None with `stop_ok`); a nonzero exit with `check`: RuntimeError."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     t0 = time.monotonic()
