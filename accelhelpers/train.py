@@ -146,8 +146,7 @@ class FullBatchLoop:
         step = self._step
         if compile:
             quiet_dynamo_logs()
-            mode = "reduce-overhead" if data.device.type == "cuda" else None
-            step = torch.compile(step, mode=mode)
+            step = torch.compile(step, **compile_options(data.device))
         self.step = step
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,12 +269,19 @@ class FullGraphLoop(FullBatchLoop):
 def _compiler(device: torch.device, params: list[torch.Tensor]):
     """torch.compile(fullgraph=True) for the fast path's functions: CUDA graphs on a GPU (weights marked static)."""
     quiet_dynamo_logs()
-    mode = None
-    if device.type == "cuda":
-        mode = "reduce-overhead"  # CUDA graphs; the weights keep their addresses, so mark them static
+    if device.type == "cuda":  # CUDA graphs; the weights keep their addresses, so mark them static
         for p in params:
             mark_static_address(p)
-    return lambda f: torch.compile(f, fullgraph=True, mode=mode)
+    return lambda f: torch.compile(f, fullgraph=True, **compile_options(device))
+
+
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """torch.compile's arguments for `device`: CUDA graphs on a GPU; on a CPU, the thread count now in force
+    written into the generated code. Inductor's cache (torch 2.9) does not key on the thread count, so without
+    it a graph first compiled at 2 threads is reused at 1 and still forks 2 OpenMP threads every step."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {"options": {"cpp.threads": torch.get_num_threads()}} if device.type == "cpu" else {}
 
 
 @dataclass

@@ -239,3 +239,9 @@ def test_fit_refuses_bad_arguments(data):
         train.fit(model, data, opt, epochs=1, bs=0)
     with pytest.raises(ValueError, match="one label per row"):
         train.fit(model, (data.x_train, data.y_train[:5]), opt, epochs=1)
+
+
+def test_compile_options_write_the_current_thread_count_into_cpu_code():
+    with ah.session.threads(1):
+        assert train.compile_options(torch.device("cpu")) == {"options": {"cpp.threads": 1}}
+    assert train.compile_options(torch.device("cuda")) == {"mode": "reduce-overhead"}
