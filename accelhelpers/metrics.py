@@ -41,8 +41,9 @@ def error_percent(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def param_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's parameters held by this process (for FSDP2's sharded DTensors, the local shard)."""
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def saved_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> int:

@@ -365,8 +365,7 @@ def fsdp_vs_ddp(width: int) -> dict[str, Any]:
         sgd_train(model, xs[:1], ys[:1])
         loss = F.mse_loss(model(xs[1]), ys[1]).detach()
         dist.all_reduce(loss)
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # FSDP2: own shard
-        res[kind] = {"param_bytes": sum(t.numel() * t.element_size() for t in local),
+        res[kind] = {"param_bytes": metrics.param_bytes(model),  # FSDP2: this rank's own shard
                      "loss_after_step": float(loss) / world}
     return res
 
