@@ -1,35 +1,15 @@
 """accelhelpers: the small tested package behind the accel-course notebooks.
 
-Importing it does nothing but import torch; every measurement happens when a function is called.
-Submodules (`ah.timing`, `ah.optim`, ...) load on first use.
+One way to use it: `import accelhelpers as ah`, then `ah.<module>.<name>` (`ah.session.setup`, `ah.results.record`,
+`ah.timing.benchmark`, ...). Submodules load on first use; importing the package imports nothing else, and every
+measurement happens when a function is called.
 """
 
 import importlib
 from typing import Any
 
-from .data import Split, digits, mnist1d
-from .device import (
-    DeviceUnavailable,
-    available_devices,
-    best_device,
-    format_report,
-    hardware_report,
-    in_colab,
-    run_profile,
-    sync,
-)
-from .models import count_params, udl_mlp, udl_sizes
-from .results import record, results_dir, save_figure
-from .session import Setup, progress, seed_everything, setup
-from .timing import Timing, benchmark, fraction_of_peak, measure_peaks, mlp_flops
-
 __version__ = "0.2.0"
-__all__ = [
-    "DeviceUnavailable", "Setup", "Split", "Timing", "available_devices", "benchmark", "best_device",
-    "count_params", "digits", "format_report", "fraction_of_peak", "hardware_report", "in_colab",
-    "measure_peaks", "mlp_flops", "mnist1d", "progress", "record", "results_dir", "run_profile",
-    "save_figure", "seed_everything", "setup", "sync", "udl_mlp", "udl_sizes",
-]
+__all__ = ["__version__"]
 
 
 def __getattr__(name: str) -> Any:

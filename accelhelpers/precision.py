@@ -132,7 +132,7 @@ class Policy:
 
 
 def auto_choice(kind: str, report: dict[str, Any]) -> tuple[str, str]:
-    """The preferred format on a device kind given the hardware report (`ah.hardware_report()`), and why."""
+    """The preferred format on a device kind given the hardware report (`ah.device.hardware_report()`), and why."""
     if kind == "cuda":
         cc = str(report.get("compute_capability") or "0.0")
         if int(cc.split(".")[0]) >= 8:

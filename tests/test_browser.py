@@ -238,7 +238,7 @@ def test_chapter_01_runs_in_jupyterlab_without_errors(lab, page):
     assert len(state["prompts"]) == n_code and all(re.fullmatch(r"\[\d+\]:", p) for p in state["prompts"]), \
         f"not every code cell ran: {state['prompts']}"
     assert panel.locator(".jp-OutputArea-output img").count() >= 1, "the roofline figure is not shown"
-    # code cells: the install cell, the `parameters` cell, then `S = ah.setup(...)`, which prints the report
+    # code cells: the install cell, the `parameters` cell, then `S = ah.session.setup(...)`, which prints the report
     setup = panel.locator(".jp-CodeCell").nth(2).locator(".jp-OutputArea").text_content()
     assert "best_device" in setup and "profile" in setup, f"the setup cell shows no hardware report: {setup!r}"
     saved = _save(page, panel, lab.root / CHAPTER, n_code)

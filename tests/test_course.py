@@ -35,14 +35,14 @@ def _notebook(path: Path, *sources: str) -> None:
 def toy_course(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
-    _notebook(nbs / "01_ok.ipynb", "import accelhelpers as ah\nS = ah.setup('01', verbose=False)",
-              "ah.record('answer', 42.0, 'units', 'a toy result')",
+    _notebook(nbs / "01_ok.ipynb", "import accelhelpers as ah\nS = ah.session.setup('01', verbose=False)",
+              "ah.results.record('answer', 42.0, 'units', 'a toy result')",
               "from ipykernel.connect import get_connection_info\n"
               "print('encrypted:', 'curve_secretkey' in get_connection_info(unpack=True))")
     _notebook(nbs / "02_broken.ipynb", "import accelhelpers as ah\nah.setup('02', verbose=False)",
               "raise RuntimeError('this chapter is broken on purpose')")
     _notebook(nbs / "03_ok.ipynb", "import accelhelpers as ah\nah.setup('03', verbose=False)",
-              "ah.record('three', 3, 'x')")
+              "ah.results.record('three', 3, 'x')")
     return tmp_path
 
 
@@ -140,7 +140,7 @@ def test_parameters_cell_holds_literal_defaults_only(nb):
     assert names[0] == "PROFILE" and ast.literal_eval(tree.body[0].value) is None
     following = nbformat.read(nb, as_version=4).cells
     after = following[following.index(cells[0]) + 1].source
-    assert f'ah.setup("{nb.name[:2]}", profile=PROFILE' in after
+    assert f'ah.session.setup("{nb.name[:2]}", profile=PROFILE' in after
 
 
 def test_papermill_parameters_take_effect_in_a_real_chapter(tmp_path):
@@ -167,8 +167,9 @@ def test_course_run_passes_the_profile_as_a_parameter(tmp_path):
     params = nbformat.v4.new_code_cell("PROFILE = None")
     params.metadata["tags"] = ["parameters"]
     nb.cells = [params, nbformat.v4.new_code_cell(
-        "import accelhelpers as ah\nS = ah.setup('01', profile=PROFILE, verbose=False)\n"
-        "ah.record('full_profile', float(PROFILE == 'full' and S.profile == 'full'), '', 'from the parameter')")]
+        "import accelhelpers as ah\nS = ah.session.setup('01', profile=PROFILE, verbose=False)\n"
+        "ah.results.record('full_profile', float(PROFILE == 'full' and S.profile == 'full'), '',\n"
+        "                  'from the parameter')")]
     nbformat.write(nb, nbs / "01_params.ipynb")
     out = tmp_path / "build"
     r = cli("course", "run", "--profile", "full", "--out", str(out), "--no-report",

@@ -9,54 +9,54 @@ from accelhelpers import models
 
 def test_mnist1d_shapes_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_CACHE", str(tmp_path))
-    d = ah.mnist1d()
+    d = ah.data.mnist1d()
     assert d.x_train.shape == (4000, 40) and d.x_test.shape == (1000, 40)
     assert d.y_train.dtype == torch.long and set(d.y_train.unique().tolist()) == set(range(10))
     assert (tmp_path / "mnist1d_seed42.npz").exists()
-    again = ah.mnist1d()
+    again = ah.data.mnist1d()
     assert torch.equal(again.x_train, d.x_train)
 
 
 def test_corrupt_cache_is_regenerated(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_CACHE", str(tmp_path))
-    good = ah.mnist1d()
+    good = ah.data.mnist1d()
     (tmp_path / "mnist1d_seed42.npz").write_bytes(b"not an npz")
-    assert torch.equal(ah.mnist1d().x_train, good.x_train)
+    assert torch.equal(ah.data.mnist1d().x_train, good.x_train)
 
 
 def test_digits_split():
-    d = ah.digits()
+    d = ah.data.digits()
     assert d.x_train.shape[1] == 64 and len(d.x_train) + len(d.x_test) == 1797
     assert 0 <= float(d.x_train.min()) and float(d.x_train.max()) <= 1
-    img = ah.digits(images=True)
+    img = ah.data.digits(images=True)
     assert img.x_train.shape[1:] == (1, 8, 8)
     with pytest.raises(ValueError, match="test_size"):
-        ah.digits(test_size=1.5)
+        ah.data.digits(test_size=1.5)
 
 
 def test_split_to_device_and_repr():
-    d = ah.digits().to("cpu")
+    d = ah.data.digits().to("cpu")
     assert d.device.type == "cpu" and "train=" in repr(d)
 
 
 @pytest.mark.parametrize("depth,params", [(1, 15208), (2, 15210), (3, 15235), (4, 15319)])
 def test_udl_parameter_counts(depth, params):
-    assert ah.count_params(ah.udl_mlp(depth)) == params
+    assert ah.models.count_params(ah.models.udl_mlp(depth)) == params
 
 
 def test_udl_init_is_he_uniform_zero_bias_and_seeded():
-    m = ah.udl_mlp(4, seed=1)
+    m = ah.models.udl_mlp(4, seed=1)
     lin = [mod for mod in m if isinstance(mod, torch.nn.Linear)]
     assert all(torch.all(mod.bias == 0) for mod in lin)
     bound = (6 / 40) ** 0.5  # He-uniform: U(-sqrt(6/fan_in), +sqrt(6/fan_in))
     assert float(lin[0].weight.detach().abs().max()) <= bound
     assert float(lin[0].weight.detach().abs().max()) > 0.9 * bound
-    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ah.udl_mlp(4, seed=1).parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ah.models.udl_mlp(4, seed=1).parameters()))
 
 
 def test_bad_depth_and_sizes():
     with pytest.raises(ValueError, match="depths \\[1, 2, 3, 4\\]"):
-        ah.udl_mlp(5)
+        ah.models.udl_mlp(5)
     with pytest.raises(ValueError, match="positive"):
         models.mlp([40, 0, 10])
 

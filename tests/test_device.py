@@ -14,61 +14,61 @@ from accelhelpers import device as dev
 
 
 def test_best_device_is_cpu_here_and_listed_last():
-    assert ah.available_devices()[-1] == "cpu"
+    assert ah.device.available_devices()[-1] == "cpu"
     if not torch.cuda.is_available():
-        assert ah.best_device() == torch.device("cpu")
+        assert ah.device.best_device() == torch.device("cpu")
 
 
 def test_requested_cpu_works():
-    assert ah.best_device("cpu").type == "cpu"
+    assert ah.device.best_device("cpu").type == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_missing_device_names_the_choices():
-    with pytest.raises(ah.DeviceUnavailable, match="not present.*present here: .*cpu"):
-        ah.best_device("cuda")
+    with pytest.raises(ah.device.DeviceUnavailable, match="not present.*present here: .*cpu"):
+        ah.device.best_device("cuda")
 
 
 def test_unknown_device_names_the_valid_kinds(monkeypatch):
-    with pytest.raises(ah.DeviceUnavailable, match="choose one of cuda, xla, mps, cpu"):
-        ah.best_device("gpu")
+    with pytest.raises(ah.device.DeviceUnavailable, match="choose one of cuda, xla, mps, cpu"):
+        ah.device.best_device("gpu")
     monkeypatch.setenv("ACCEL_DEVICE", "tpu")
-    with pytest.raises(ah.DeviceUnavailable, match="unknown device 'tpu'"):
-        ah.best_device()
+    with pytest.raises(ah.device.DeviceUnavailable, match="unknown device 'tpu'"):
+        ah.device.best_device()
 
 
 def test_profile_defaults_and_override(monkeypatch):
     monkeypatch.delenv("ACCEL_PROFILE", raising=False)
-    assert ah.run_profile() == ("quick" if ah.available_devices()[0] == "cpu" else "full")
+    assert ah.device.run_profile() == ("quick" if ah.device.available_devices()[0] == "cpu" else "full")
     monkeypatch.setenv("ACCEL_PROFILE", "FULL")
-    assert ah.run_profile() == "full"
+    assert ah.device.run_profile() == "full"
 
 
 def test_bogus_profile_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", "bogus")
     with pytest.raises(ValueError, match="'bogus' is not a profile: choose one of quick, full"):
-        ah.run_profile()
-    assert ah.hardware_report()["profile"].startswith("invalid")
+        ah.device.run_profile()
+    assert ah.device.hardware_report()["profile"].startswith("invalid")
 
 
 def test_hardware_report_has_the_facts():
-    r = ah.hardware_report()
+    r = ah.device.hardware_report()
     for key in ("torch", "cpu", "cpu_cores", "cpu_isa", "devices", "best_device", "torch_xla", "colab"):
         assert key in r
     assert r["torch"] == torch.__version__
     assert isinstance(r["cpu_isa"], list)
-    text = ah.format_report(r)
+    text = ah.device.format_report(r)
     assert "torch" in text and "best_device" in text
 
 
 def test_sync_returns_on_cpu_and_refuses_a_non_device():
-    assert ah.sync("cpu") is None and ah.sync(torch.device("cpu")) is None
-    with pytest.raises(ah.DeviceUnavailable, match="is not a device: choose one of cuda, xla, mps, cpu"):
-        ah.sync("tpu")
+    assert ah.device.sync("cpu") is None and ah.device.sync(torch.device("cpu")) is None
+    with pytest.raises(ah.device.DeviceUnavailable, match="is not a device: choose one of cuda, xla, mps, cpu"):
+        ah.device.sync("tpu")
 
 
 def test_colab_detection(monkeypatch):
-    assert ah.in_colab() is False
+    assert ah.device.in_colab() is False
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     assert dev.in_colab() is True
 
@@ -129,18 +129,18 @@ def test_on_a_tpu_host_a_chapter_not_written_for_xla_runs_on_the_cpu_and_says_so
         monkeypatch.setattr(module, "available_devices", lambda: ["xla", "cpu"])
     monkeypatch.delenv("ACCEL_PROFILE", raising=False)
     monkeypatch.delenv("ACCEL_DEVICE", raising=False)
-    s = ah.setup("04")
+    s = ah.session.setup("04")
     assert s.device.type == "cpu" and s.profile == "quick"
     assert "written for cuda, mps, cpu: it runs on the CPU here" in capsys.readouterr().out
 
 
 def test_profile_parameter_and_pick(monkeypatch):
     monkeypatch.delenv("ACCEL_PROFILE", raising=False)
-    s = ah.setup("01", profile="full", verbose=False)
+    s = ah.session.setup("01", profile="full", verbose=False)
     assert s.profile == "full" and s.pick(None, quick=1, full=2) == 2 and s.pick(5, quick=1, full=2) == 5
-    assert ah.setup("01", profile=None, verbose=False).pick(None, quick=1, full=2) == 1  # CPU here: quick
+    assert ah.session.setup("01", profile=None, verbose=False).pick(None, quick=1, full=2) == 1  # CPU here: quick
     with pytest.raises(ValueError, match="PROFILE='fast' is not a profile: choose one of quick, full"):
-        ah.setup("01", profile="fast", verbose=False)
+        ah.session.setup("01", profile="fast", verbose=False)
 
 
 def test_fit_budget_announces_and_scales_down(capsys):

@@ -234,23 +234,25 @@ def test_free_memory_collects_garbage_cycles():
 # --- bad input across the public helpers ---------------------------------------------------------------------------
 
 GOOD = [  # (call, exception type, message naming the argument and the valid range)
-    ("best_device('tpu')", lambda: ah.best_device("tpu"), device.DeviceUnavailable,
+    ("best_device('tpu')", lambda: ah.device.best_device("tpu"), device.DeviceUnavailable,
      "choose one of cuda, xla, mps, cpu"),
-    ("best_device(absent)", lambda: ah.best_device("mps"), device.DeviceUnavailable, "present here: cpu"),
-    ("setup(device='fpga')", lambda: ah.setup("x", device="fpga", verbose=False), device.DeviceUnavailable,
+    ("best_device(absent)", lambda: ah.device.best_device("mps"), device.DeviceUnavailable, "present here: cpu"),
+    ("setup(device='fpga')", lambda: ah.session.setup("x", device="fpga", verbose=False), device.DeviceUnavailable,
      "unknown device 'fpga'"),
-    ("setup(chapter='')", lambda: ah.setup("", verbose=False), ValueError, "chapter must be a non-empty name"),
-    ("digits(test_size=0)", lambda: ah.digits(test_size=0), ValueError, "test_size must be between 0 and 1, got 0"),
-    ("digits(test_size=1.5)", lambda: ah.digits(test_size=1.5), ValueError, "between 0 and 1, got 1.5"),
+    ("setup(chapter='')", lambda: ah.session.setup("", verbose=False), ValueError, "chapter must be a non-empty name"),
+    ("digits(test_size=0)", lambda: ah.data.digits(test_size=0), ValueError,
+     "test_size must be between 0 and 1, got 0"),
+    ("digits(test_size=1.5)", lambda: ah.data.digits(test_size=1.5), ValueError, "between 0 and 1, got 1.5"),
     ("mlp([40])", lambda: models.mlp([40]), ValueError, "at least two positive layer sizes"),
     ("mlp([40,0,10])", lambda: models.mlp([40, 0, 10]), ValueError, r"positive layer sizes, got \[40, 0, 10\]"),
-    ("udl_sizes(5)", lambda: ah.udl_sizes(5), ValueError, r"depths \[1, 2, 3, 4\], not 5"),
-    ("udl_mlp(n_in=-1)", lambda: ah.udl_mlp(2, n_in=-1), ValueError, "positive layer sizes"),
-    ("benchmark(repeats=0)", lambda: ah.benchmark(lambda: None, repeats=0), ValueError, "repeats >= 1"),
-    ("benchmark(warmup=-1)", lambda: ah.benchmark(lambda: None, warmup=-1), ValueError, "warmup >= 0"),
-    ("mlp_flops(batch=0)", lambda: ah.mlp_flops([40, 10], 0), ValueError, "batch > 0"),
-    ("fraction_of_peak(peak=0)", lambda: ah.fraction_of_peak(1.0, 0), ValueError, "peak_gflops must be positive"),
-    ("record(name='')", lambda: ah.record("", 1.0), ValueError, "a result needs a name"),
+    ("udl_sizes(5)", lambda: ah.models.udl_sizes(5), ValueError, r"depths \[1, 2, 3, 4\], not 5"),
+    ("udl_mlp(n_in=-1)", lambda: ah.models.udl_mlp(2, n_in=-1), ValueError, "positive layer sizes"),
+    ("benchmark(repeats=0)", lambda: ah.timing.benchmark(lambda: None, repeats=0), ValueError, "repeats >= 1"),
+    ("benchmark(warmup=-1)", lambda: ah.timing.benchmark(lambda: None, warmup=-1), ValueError, "warmup >= 0"),
+    ("mlp_flops(batch=0)", lambda: ah.timing.mlp_flops([40, 10], 0), ValueError, "batch > 0"),
+    ("fraction_of_peak(peak=0)", lambda: ah.timing.fraction_of_peak(1.0, 0), ValueError,
+     "peak_gflops must be positive"),
+    ("record(name='')", lambda: ah.results.record("", 1.0), ValueError, "a result needs a name"),
     ("course profile", lambda: course.check_args("fast", None, Path("build")), course.CourseError,
      "unknown profile 'fast': choose one of quick, full"),
     ("course --only 99", lambda: course.check_args("quick", "99", Path("build")), course.CourseError,
@@ -259,10 +261,10 @@ GOOD = [  # (call, exception type, message naming the argument and the valid ran
      "named no chapter"),
 ]
 GAPS = [  # what the helpers do not check yet: clear errors wanted instead of torch internals or silent nonsense
-    ("best_device('cpu:x')", lambda: ah.best_device("cpu:x"), device.DeviceUnavailable, "kind:N"),
-    ("best_device('Cpu:0')", lambda: ah.best_device("Cpu:0"), None, None),
-    ("sync('gpu')", lambda: ah.sync("gpu"), device.DeviceUnavailable, "choose one of cuda, xla, mps, cpu"),
-    ("digits(device='gpu')", lambda: ah.digits(device="gpu"), device.DeviceUnavailable, "choose one of"),
+    ("best_device('cpu:x')", lambda: ah.device.best_device("cpu:x"), device.DeviceUnavailable, "kind:N"),
+    ("best_device('Cpu:0')", lambda: ah.device.best_device("Cpu:0"), None, None),
+    ("sync('gpu')", lambda: ah.device.sync("gpu"), device.DeviceUnavailable, "choose one of cuda, xla, mps, cpu"),
+    ("digits(device='gpu')", lambda: ah.data.digits(device="gpu"), device.DeviceUnavailable, "choose one of"),
     ("Split(empty)", lambda: data.Split(*(torch.zeros(0),) * 4), ValueError, "x_train.*empty"),
     ("Split(lengths differ)", lambda: data.Split(torch.zeros(4, 2), torch.zeros(3, dtype=torch.long),
                                                  torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)),
@@ -272,7 +274,7 @@ GAPS = [  # what the helpers do not check yet: clear errors wanted instead of to
     ("cnn2d(n_classes=0)", lambda: models.cnn2d(n_classes=0), ValueError, "n_classes"),
     ("matmul_gflops(0)", lambda: timing.matmul_gflops(0), ValueError, "n must be"),
     ("copy_gbps(-5)", lambda: timing.copy_gbps(-5), ValueError, "n_bytes must be"),
-    ("fraction_of_peak(-1, 10)", lambda: ah.fraction_of_peak(-1.0, 10), ValueError, "achieved_gflops"),
+    ("fraction_of_peak(-1, 10)", lambda: ah.timing.fraction_of_peak(-1.0, 10), ValueError, "achieved_gflops"),
     ("time_unsynced(calls=0)", lambda: timing.time_unsynced(lambda: None, calls=0), ValueError, "calls"),
     ("Timing([])", lambda: timing.Timing([]), ValueError, "times"),
 ]
@@ -296,7 +298,7 @@ def test_bad_input_not_checked_yet(name, call, exc, message):
 def test_an_unknown_profile_name_is_refused(monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", "fast")
     with pytest.raises(ValueError, match="ACCEL_PROFILE='fast' is not a profile: choose one of quick, full"):
-        ah.run_profile()
+        ah.device.run_profile()
 
 
 # --- the course runner -------------------------------------------------------------------------------------------
@@ -328,7 +330,7 @@ def test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole(tmp_
     nbs.mkdir()
     _toy_notebook(nbs / "00_slow.ipynb", f"import pathlib, time\npathlib.Path({str(mark)!r}).touch()\ntime.sleep(30)")
     _toy_notebook(nbs / "01_toy.ipynb", "import os, accelhelpers as ah\nah.setup('01', verbose=False)",
-                  "ah.record('value', float(os.environ['TOY_VALUE']), 'x')")
+                  "ah.results.record('value', float(os.environ['TOY_VALUE']), 'x')")
     monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
     for value in ("1.5", "2.5"):  # a re-run replaces the results, it does not pile them up
         monkeypatch.setenv("TOY_VALUE", value)
@@ -372,7 +374,7 @@ def test_property_mlp_and_its_flops_accept_exactly_the_valid_sizes(sizes, batch)
             timing.mlp_flops(sizes, max(batch, 1))
         return
     model = models.mlp(sizes)
-    assert ah.count_params(model) == sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
+    assert ah.models.count_params(model) == sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=False))
     if batch <= 0:
         with pytest.raises(ValueError, match="batch > 0"):
             timing.mlp_flops(sizes, batch)
@@ -385,10 +387,10 @@ def test_property_mlp_and_its_flops_accept_exactly_the_valid_sizes(sizes, batch)
 @given(depth=st.integers(-3, 8))
 def test_property_udl_depths(depth):
     if depth in (1, 2, 3, 4):
-        assert abs(ah.count_params(ah.udl_mlp(depth, seed=0)) - 15_200) < 400
+        assert abs(ah.models.count_params(ah.models.udl_mlp(depth, seed=0)) - 15_200) < 400
     else:
         with pytest.raises(ValueError, match=r"depths \[1, 2, 3, 4\]"):
-            ah.udl_sizes(depth)
+            ah.models.udl_sizes(depth)
 
 @SETTINGS
 @given(name=st.text(alphabet="cpumdaxl:0123 -", max_size=7))
@@ -398,10 +400,10 @@ def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch
     if kind == "xla":  # a well-formed name would start torch_xla's runtime in this process: check the refusals
         if colon and not index.isdigit():
             with pytest.raises(device.DeviceUnavailable, match="write 'kind' or 'kind:N'"):
-                ah.best_device(name)
+                ah.device.best_device(name)
         return
     try:
-        dev = ah.best_device(name or None)
+        dev = ah.device.best_device(name or None)
     except device.DeviceUnavailable as e:
         assert repr(name) in str(e) and "cpu" in str(e)
     else:
@@ -412,7 +414,7 @@ def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch
 def test_property_profile_is_valid_or_refused(value, monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", value)
     try:
-        assert ah.run_profile() in ("quick", "full")
+        assert ah.device.run_profile() in ("quick", "full")
     except ValueError as e:
         assert "ACCEL_PROFILE" in str(e) and "choose one of quick, full" in str(e)
 
@@ -440,8 +442,8 @@ def test_property_record_keeps_any_number_under_a_nonempty_name(name, value):
     results.set_chapter("prop")
     if not name:
         with pytest.raises(ValueError, match="needs a name"):
-            ah.record(name, value)
+            ah.results.record(name, value)
         return
-    assert ah.record(name, value) is value
+    assert ah.results.record(name, value) is value
     stored = {e["name"]: e["value"] for e in results.load_chapter(results.results_dir() / "prop.json")}
     assert stored[name] == (value if isinstance(value, (int, bool)) or math.isfinite(value) else str(value))

@@ -32,6 +32,9 @@ def problems(sources: list[str]) -> list[str]:
                         found.append(f"import {a.name} as {a.asname}: use `import accelhelpers as ah`")
                     if a.asname == "F" and a.name != "torch.nn.functional":
                         found.append(f"import {a.name} as F: F is torch.nn.functional")
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ah"
+                    and node.attr not in MODULES and node.attr != "__version__"):
+                found.append(f"ah.{node.attr}: name its module, ah.<module>.{node.attr}")
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute | ast.Name):
                 value = ast.unparse(node.value)
                 for t in node.targets:
@@ -52,8 +55,10 @@ def test_notebook_uses_the_one_import_idiom(nb):
 
 
 def test_the_checker_catches_each_departure():
-    bad = ["from accelhelpers.optim import train", "import accelhelpers.parallel as par", "P = ah.parallel",
+    bad = ["ah.record('x', 1)", "from accelhelpers.optim import train", "import accelhelpers.parallel as par",
+           "P = ah.parallel",
            "import fastai.optimizer as F", "F = ah.optim"]
-    assert len(problems(bad)) == 6  # "F = ah.optim" breaks two rules
-    good = ["import accelhelpers as ah", "import torch.nn.functional as F", "S = ah.setup('01')", "x = ah.mnist1d"]
+    assert len(problems(bad)) == 7  # "F = ah.optim" breaks two rules
+    good = ["import accelhelpers as ah", "import torch.nn.functional as F", "S = ah.session.setup('01')",
+            "x = ah.data.mnist1d"]
     assert problems(good) == []

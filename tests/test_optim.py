@@ -18,7 +18,7 @@ STEPS = 60
 
 @pytest.fixture(scope="module")
 def digits():
-    return ah.digits()
+    return ah.data.digits()
 
 
 @pytest.fixture(autouse=True)
@@ -170,8 +170,8 @@ def _tiny_learner(split, bs=64, opt_func=None, n=512, seed=0):
     from fastai.learner import Learner
     from fastai.optimizer import SGD
 
-    small = ah.Split(split.x_train[:n], split.y_train[:n], split.x_test[:128], split.y_test[:128])
-    ah.seed_everything(seed)
+    small = ah.data.Split(split.x_train[:n], split.y_train[:n], split.x_test[:128], split.y_test[:128])
+    ah.session.seed_everything(seed)
     dls = ah.data.fastai_dls(small, bs=bs, shuffle=False)
     return Learner(dls, _model(seed), loss_func=nn.CrossEntropyLoss(), opt_func=opt_func or SGD), small
 

@@ -128,10 +128,10 @@ def test_data_wait_share_tells_starved_from_fed():
 @pytest.mark.parametrize("habit", P.HABITS)
 def test_train_step_habits_train_identically(habit):
     x, y = torch.rand(16, 40), torch.randint(0, 10, (16,))
-    ref = ah.udl_mlp(2, seed=0)
+    ref = ah.models.udl_mlp(2, seed=0)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     P.train_step(ref, opt, x, y)()
-    model, log = ah.udl_mlp(2, seed=0), []
+    model, log = ah.models.udl_mlp(2, seed=0), []
     P.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, habit, log=log)()
     for p, q in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -192,7 +192,7 @@ def test_memory_fits_backs_off_on_out_of_memory():
 def test_plain_accumulation_equals_one_big_batch():
     torch.manual_seed(0)
     x, y = torch.rand(96, 40), torch.randint(0, 10, (96,))
-    m = ah.udl_mlp(4, seed=0)
+    m = ah.models.udl_mlp(4, seed=0)
     ref = P.full_batch_grads(m, x, y)
     assert ah.metrics.max_abs_diff(ref, P.accumulated_grads(m, x, y, 24)) < 1e-6
     assert ah.metrics.max_abs_diff(ref, P.accumulated_grads(m, x, y, 40)) < 1e-6      # unequal last micro-batch
@@ -214,7 +214,7 @@ def test_batchnorm_breaks_the_equivalence():
 def test_accelerate_accumulation_equals_one_big_batch():
     torch.manual_seed(0)
     x, y = torch.rand(64, 40), torch.randint(0, 10, (64,))
-    m = ah.udl_mlp(2, seed=0)
+    m = ah.models.udl_mlp(2, seed=0)
     ref = P.full_batch_grads(m, x, y)
     assert ah.metrics.max_abs_diff(ref, P.accelerate_accumulated_grads(m, x, y, 16)) < 1e-6
     with pytest.raises(ValueError, match="equal"):
@@ -224,7 +224,7 @@ def test_accelerate_accumulation_equals_one_big_batch():
 def test_fastai_n_acc_counts_samples_not_batches():
     torch.manual_seed(0)
     x, y = torch.rand(128, 40), torch.randint(0, 10, (128,))
-    m = ah.udl_mlp(2, seed=0)
+    m = ah.models.udl_mlp(2, seed=0)
     steps, g = P.fastai_accumulation(m, x, y, bs=32, n_acc=128)         # 4 batches of 32 = 128 samples
     assert steps == 1 and ah.metrics.max_abs_diff(P.full_batch_grads(m, x, y), g) < 1e-6
     steps, g = P.fastai_accumulation(m, x, y, bs=32, n_acc=4)           # "4 batches"? no: 4 samples

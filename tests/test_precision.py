@@ -243,7 +243,7 @@ def test_scaler_trace_skips_on_overflow_and_grows():
 # ---------------------------------------------------------------- measurements
 
 def test_train_eval_fp32_and_bf16_learn_digits():
-    split, kw = ah.digits(), {"seed": 0, "epochs": 5, "batch_size": 512, "lr": 2e-2}
+    split, kw = ah.data.digits(), {"seed": 0, "epochs": 5, "batch_size": 512, "lr": 2e-2}
     r32 = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "fp32"), **kw)
     again = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "fp32"), **kw)
     r16 = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "bf16"), **kw)
@@ -275,7 +275,7 @@ def _learner():
     import fastai.callback.fp16  # noqa: F401  (adds Learner.to_fp16 / to_bf16)
     from fastai.basics import DataLoaders, Learner
 
-    split = ah.digits()
+    split = ah.data.digits()
     dls = DataLoaders.from_dsets(list(zip(split.x_train, split.y_train, strict=True)),
                                  list(zip(split.x_test, split.y_test, strict=True)), bs=512, device="cpu")
     torch.manual_seed(0)

@@ -13,9 +13,9 @@ matplotlib.use("Agg")
 
 def test_record_writes_and_replaces(tmp_path):
     results.set_chapter("99")
-    assert ah.record("speed", 3.5, "steps/s", "a note") == 3.5
-    ah.record("speed", 4.0, "steps/s")
-    ah.record("acc", float("nan"), "%")
+    assert ah.results.record("speed", 3.5, "steps/s", "a note") == 3.5
+    ah.results.record("speed", 4.0, "steps/s")
+    ah.results.record("acc", float("nan"), "%")
     entries = json.loads((tmp_path / "results" / "99.json").read_text())
     assert [e["name"] for e in entries] == ["speed", "acc"]
     assert entries[0]["value"] == 4.0 and entries[1]["value"] == "nan"
@@ -26,13 +26,13 @@ def test_record_accepts_tensors(tmp_path):
     import torch
 
     results.set_chapter("98")
-    ah.record("t", torch.tensor(2.5))
+    ah.results.record("t", torch.tensor(2.5))
     assert json.loads((tmp_path / "results" / "98.json").read_text())[0]["value"] == 2.5
 
 
 def test_bad_names():
     with pytest.raises(ValueError):
-        ah.record("", 1)
+        ah.results.record("", 1)
     with pytest.raises(ValueError):
         results.set_chapter(" ")
 
@@ -42,7 +42,7 @@ def test_corrupt_results_file_is_named(tmp_path):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "97.json").write_text("{")
     with pytest.raises(ValueError, match="97.json is not valid JSON"):
-        ah.record("x", 1)
+        ah.results.record("x", 1)
 
 
 def test_save_figure(tmp_path):
@@ -51,16 +51,16 @@ def test_save_figure(tmp_path):
     results.set_chapter("96")
     fig, ax = plt.subplots()
     ax.plot([1, 2])
-    path = ah.save_figure(fig, "line")
+    path = ah.results.save_figure(fig, "line")
     assert path == tmp_path / "results" / "figures" / "96_line.png" and path.stat().st_size > 0
 
 
 def test_setup_seeds_and_announces(capsys):
     import torch
 
-    s = ah.setup("95", seed=3)
+    s = ah.session.setup("95", seed=3)
     a = torch.rand(2)
-    ah.setup("95", seed=3, verbose=False)
+    ah.session.setup("95", seed=3, verbose=False)
     assert torch.equal(a, torch.rand(2))
     out = capsys.readouterr().out
     assert "best_device" in out and s.chapter == "95" and results.current_chapter() == "95"

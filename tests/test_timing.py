@@ -11,7 +11,7 @@ from accelhelpers import timing
 
 
 def test_benchmark_measures_a_known_sleep():
-    t = ah.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
+    t = ah.timing.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
     assert 0.0018 < t.median < 0.01
     assert t.best <= t.median and len(t.times) == 3 and t.calls_per_repeat >= 1
     assert "median" in str(t) and t.per_second == pytest.approx(1 / t.median)
@@ -19,36 +19,36 @@ def test_benchmark_measures_a_known_sleep():
 
 def test_benchmark_warms_up_and_calibrates():
     calls = []
-    t = ah.benchmark(lambda: calls.append(1), warmup=5, repeats=2, min_time=0.001)
+    t = ah.timing.benchmark(lambda: calls.append(1), warmup=5, repeats=2, min_time=0.001)
     assert len(calls) >= 5 + 2 * t.calls_per_repeat and t.calls_per_repeat > 1
 
 
 def test_benchmark_rejects_bad_arguments():
     with pytest.raises(ValueError, match="repeats >= 1"):
-        ah.benchmark(lambda: None, repeats=0)
+        ah.timing.benchmark(lambda: None, repeats=0)
 
 
 def test_mlp_flops_matches_a_hand_count():
     # forward 2*B*(a*b + b*c); weight grads the same; input grads only for the second layer
-    assert ah.mlp_flops([3, 4, 5], 2, backward=False) == 2 * 2 * (12 + 20)
-    assert ah.mlp_flops([3, 4, 5], 2) == 2 * 2 * (12 + 20) * 2 + 2 * 2 * 20
+    assert ah.timing.mlp_flops([3, 4, 5], 2, backward=False) == 2 * 2 * (12 + 20)
+    assert ah.timing.mlp_flops([3, 4, 5], 2) == 2 * 2 * (12 + 20) * 2 + 2 * 2 * 20
 
 
 def test_mlp_flops_matches_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    sizes = ah.udl_sizes(4)
-    model, x = ah.udl_mlp(4), torch.randn(64, 40)
+    sizes = ah.models.udl_sizes(4)
+    model, x = ah.models.udl_mlp(4), torch.randn(64, 40)
     with FlopCounterMode(display=False) as fc:
         model(x).sum().backward()
-    assert fc.get_total_flops() == ah.mlp_flops(sizes, 64)
+    assert fc.get_total_flops() == ah.timing.mlp_flops(sizes, 64)
 
 
 def test_mlp_flops_bad_input():
     with pytest.raises(ValueError):
-        ah.mlp_flops([40], 10)
+        ah.timing.mlp_flops([40], 10)
     with pytest.raises(ValueError):
-        ah.mlp_flops([40, 10], 0)
+        ah.timing.mlp_flops([40, 10], 0)
 
 
 def test_peaks_count_the_flops_and_bytes_of_what_they_time(monkeypatch):
@@ -71,9 +71,9 @@ def test_measured_peaks_are_physically_possible_here():
     bw = timing.copy_gbps(8 * 2**20, min_time=0.01, repeats=2)
     cores = os.cpu_count() or 1
     assert 0 < gf < cores * 64 * 6.0 and 0 < bw < 2000
-    assert ah.fraction_of_peak(50.0, 200.0) == 0.25
+    assert ah.timing.fraction_of_peak(50.0, 200.0) == 0.25
     with pytest.raises(ValueError):
-        ah.fraction_of_peak(1.0, 0.0)
+        ah.timing.fraction_of_peak(1.0, 0.0)
 
 
 def test_unsynced_time_measures_the_calls():
@@ -110,11 +110,11 @@ def test_record_keeps_the_range(tmp_path, monkeypatch):
     import accelhelpers as ah
 
     ah.results.set_chapter("99")
-    ah.record("ratio", 1.2, "x", "n", spread=(0.9, 1.5), repeats=5)
+    ah.results.record("ratio", 1.2, "x", "n", spread=(0.9, 1.5), repeats=5)
     entry = json.loads((ah.results.results_dir() / "99.json").read_text())[0]
     assert entry["spread"] == [0.9, 1.5] and entry["repeats"] == 5
     with pytest.raises(ValueError, match="spread must be"):
-        ah.record("bad", 1.0, "x", spread=(2.0, 1.0))
+        ah.results.record("bad", 1.0, "x", spread=(2.0, 1.0))
 
 
 def test_record_noise_keeps_the_noisiest_check(tmp_path, monkeypatch, capsys):

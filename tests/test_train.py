@@ -11,11 +11,11 @@ from accelhelpers import train
 
 @pytest.fixture(scope="module")
 def data():
-    return ah.mnist1d()
+    return ah.data.mnist1d()
 
 
 def test_fast_path_follows_the_naive_trajectory(data):
-    m = ah.udl_mlp(4, seed=0)
+    m = ah.models.udl_mlp(4, seed=0)
     naive = train.naive_fullbatch(train.clone(m), data, 300)
     fast = train.FullBatchLoop(train.clone(m), data).run(300)
     np.testing.assert_allclose(fast.loss, naive.loss, rtol=1e-4, atol=1e-5)
@@ -27,21 +27,21 @@ def test_fast_path_follows_the_naive_trajectory(data):
 
 @pytest.mark.parametrize("kw", [dict(dataloader=True, host_sync=True, fused=False), dict(host_sync=True)])
 def test_every_ablation_switch_gives_the_same_losses(data, kw):
-    m = ah.udl_mlp(2, seed=1)
+    m = ah.models.udl_mlp(2, seed=1)
     ref = train.FullBatchLoop(train.clone(m), data).run(50)
     other = train.FullBatchLoop(train.clone(m), data, **kw).run(50)
     np.testing.assert_allclose(other.loss, ref.loss, rtol=1e-5, atol=1e-6)
 
 
 def test_compiled_step_matches_eager(data):
-    m = ah.udl_mlp(1, seed=2)
+    m = ah.models.udl_mlp(1, seed=2)
     ref = train.FullBatchLoop(train.clone(m), data).run(20)
     comp = train.FullBatchLoop(train.clone(m), data, compile=True).run(20)
     np.testing.assert_allclose(comp.loss, ref.loss, rtol=1e-4, atol=1e-5)
 
 
 def test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_place(data):
-    m = ah.udl_mlp(4, seed=3)
+    m = ah.models.udl_mlp(4, seed=3)
     naive_model = train.clone(m)
     naive = train.naive_fullbatch(naive_model, data, 100)
     padded = train.pad_mlp(train.clone(m))
@@ -55,7 +55,7 @@ def test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_pla
 
 
 def test_udlbooks_loop_takes_the_training_error_from_the_steps_own_forward_pass(data):
-    m = ah.udl_mlp(3, seed=4)
+    m = ah.models.udl_mlp(3, seed=4)
     udl = train.udlbook_loop(train.clone(m), data, 60)
     fast = train.FullBatchLoop(train.clone(m), data).run(60)  # also measures before each update, no shuffle
     np.testing.assert_allclose(udl.loss, fast.loss, rtol=1e-5, atol=1e-6)
@@ -67,7 +67,7 @@ def test_udlbooks_loop_takes_the_training_error_from_the_steps_own_forward_pass(
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_fullgraph_test_every_k_changes_only_when_the_test_error_is_measured(data, compile):
-    m = train.pad_mlp(ah.udl_mlp(4, seed=6))
+    m = train.pad_mlp(ah.models.udl_mlp(4, seed=6))
     every = train.FullGraphLoop(train.clone(m), data, compile=compile).run(30)
     k = train.FullGraphLoop(train.clone(m), data, test_every=10, compile=compile).run(30)
     np.testing.assert_allclose(k.loss, every.loss, rtol=1e-5, atol=1e-6)
@@ -85,18 +85,18 @@ def test_fullgraph_loop_refuses_a_model_it_cannot_write_as_one_function(data):
 
 
 def test_graph_breaks_counts_what_dynamo_makes_of_each_step_and_trains_nothing(data):
-    usual = train.FullBatchLoop(train.pad_mlp(ah.udl_mlp(2, seed=5)), data)
+    usual = train.FullBatchLoop(train.pad_mlp(ah.models.udl_mlp(2, seed=5)), data)
     before = [p.detach().clone() for p in usual.model.parameters()]
     rep = train.graph_breaks(usual)
     assert rep.graph_breaks >= 1 and rep.graphs == rep.graph_breaks + 1
     assert any("zero_grad" in r for r in rep.reasons)
     assert all(torch.equal(a, b) for a, b in zip(before, usual.model.parameters()))
-    one = train.graph_breaks(train.FullGraphLoop(train.pad_mlp(ah.udl_mlp(2, seed=5)), data))
+    one = train.graph_breaks(train.FullGraphLoop(train.pad_mlp(ah.models.udl_mlp(2, seed=5)), data))
     assert (one.graphs, one.graph_breaks, one.reasons) == (1, 0, [])
 
 
 def test_many_mlp_matches_vmap_over_the_individual_models(data):
-    models = [ah.udl_mlp(3, seed=i) for i in range(5)]
+    models = [ah.models.udl_mlp(3, seed=i) for i in range(5)]
     many = train.ManyMLP(models)
     params, buffers = stack_module_state(models)
     base = train.clone(models[0]).to("meta")
@@ -107,7 +107,7 @@ def test_many_mlp_matches_vmap_over_the_individual_models(data):
 
 
 def test_many_models_train_exactly_as_each_alone(data):
-    models = [ah.udl_mlp(4, seed=i) for i in range(3)]
+    models = [ah.models.udl_mlp(4, seed=i) for i in range(3)]
     together = train.ManyModelsLoop([train.clone(m) for m in models], data).run(40)
     assert together.train_err.shape == (3, 40)
     for i, m in enumerate(models):
@@ -116,7 +116,7 @@ def test_many_models_train_exactly_as_each_alone(data):
 
 
 def test_fastai_learner_runs_the_same_workload(data):
-    learn = train.fastai_learner(ah.udl_mlp(4, seed=0), data)
+    learn = train.fastai_learner(ah.models.udl_mlp(4, seed=0), data)
     assert learn.dls.train.bs == 4000
     with learn.no_bar(), learn.no_logging():
         learn.fit(3, 0.0025)
@@ -125,18 +125,18 @@ def test_fastai_learner_runs_the_same_workload(data):
 
 def test_bad_input(data):
     with pytest.raises(ValueError, match="epochs must be at least 1"):
-        train.naive_fullbatch(ah.udl_mlp(1), data, 0)
+        train.naive_fullbatch(ah.models.udl_mlp(1), data, 0)
     with pytest.raises(ValueError, match="learning rate must be positive"):
-        train.FullBatchLoop(ah.udl_mlp(1), data, lr=0)
+        train.FullBatchLoop(ah.models.udl_mlp(1), data, lr=0)
     with pytest.raises(ValueError, match="same depth"):
-        train.ManyMLP([ah.udl_mlp(1), ah.udl_mlp(2)])
-    bad = ah.Split(data.x_train[:, :, None], data.y_train, data.x_test, data.y_test)
+        train.ManyMLP([ah.models.udl_mlp(1), ah.models.udl_mlp(2)])
+    bad = ah.data.Split(data.x_train[:, :, None], data.y_train, data.x_test, data.y_test)
     with pytest.raises(ValueError, match="expected x_train"):
-        train.FullBatchLoop(ah.udl_mlp(1), bad)
+        train.FullBatchLoop(ah.models.udl_mlp(1), bad)
 
 
 def test_padding_to_the_vector_width_changes_nothing_but_speed(data):
-    m = ah.udl_mlp(4, seed=5)
+    m = ah.models.udl_mlp(4, seed=5)
     p = train.pad_mlp(m)
     assert [lin.out_features for lin in p if isinstance(lin, torch.nn.Linear)] == [64, 64, 64, 64, 10]
     torch.testing.assert_close(p(data.x_test), m(data.x_test))
