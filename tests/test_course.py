@@ -39,9 +39,9 @@ def toy_course(tmp_path):
               "ah.results.record('answer', 42.0, 'units', 'a toy result')",
               "from ipykernel.connect import get_connection_info\n"
               "print('encrypted:', 'curve_secretkey' in get_connection_info(unpack=True))")
-    _notebook(nbs / "02_broken.ipynb", "import accelhelpers as ah\nah.setup('02', verbose=False)",
+    _notebook(nbs / "02_broken.ipynb", "import accelhelpers as ah\nah.session.setup('02', verbose=False)",
               "raise RuntimeError('this chapter is broken on purpose')")
-    _notebook(nbs / "03_ok.ipynb", "import accelhelpers as ah\nah.setup('03', verbose=False)",
+    _notebook(nbs / "03_ok.ipynb", "import accelhelpers as ah\nah.session.setup('03', verbose=False)",
               "ah.results.record('three', 3, 'x')")
     return tmp_path
 

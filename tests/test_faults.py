@@ -329,7 +329,7 @@ def test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole(tmp_
     nbs, out, mark = tmp_path / "notebooks", tmp_path / "out", tmp_path / "mark"
     nbs.mkdir()
     _toy_notebook(nbs / "00_slow.ipynb", f"import pathlib, time\npathlib.Path({str(mark)!r}).touch()\ntime.sleep(30)")
-    _toy_notebook(nbs / "01_toy.ipynb", "import os, accelhelpers as ah\nah.setup('01', verbose=False)",
+    _toy_notebook(nbs / "01_toy.ipynb", "import os, accelhelpers as ah\nah.session.setup('01', verbose=False)",
                   "ah.results.record('value', float(os.environ['TOY_VALUE']), 'x')")
     monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
     for value in ("1.5", "2.5"):  # a re-run replaces the results, it does not pile them up
