@@ -153,12 +153,15 @@ class FullBatchLoop:
         """Forward, backward, update; returns (loss, train error %, test error %) as device tensors."""
         logits = self.model(x)
         loss = F.cross_entropy(logits, y)
-        self.opt.zero_grad(set_to_none=self.fused)
+        return loss.detach(), error_percent(logits.detach(), y), self._update(loss, set_to_none=self.fused)
+
+    def _update(self, loss: torch.Tensor, set_to_none: bool = True) -> torch.Tensor:
+        """Backward and SGD update from `loss`, then the test error % of the updated model (a device tensor)."""
+        self.opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         self.opt.step()
         with torch.no_grad():
-            test_err = error_percent(self.model(self.data.x_test), self.data.y_test)
-        return loss.detach(), error_percent(logits.detach(), y), test_err
+            return error_percent(self.model(self.data.x_test), self.data.y_test)
 
     def run(self, epochs: int, progress: str | bool = False) -> History:
         """Train for `epochs` full-batch steps and return the per-epoch errors (`progress`: a bar, or its label)."""
@@ -368,11 +371,7 @@ class ManyModelsLoop(FullBatchLoop):
         logits = self.many(x)  # [K, B, C]
         k, b, c = logits.shape
         losses = F.cross_entropy(logits.reshape(k * b, c), y.repeat(k), reduction="none").view(k, b).mean(1)
-        self.opt.zero_grad(set_to_none=True)
-        losses.sum().backward()
-        self.opt.step()
-        with torch.no_grad():
-            test_err = error_percent(self.many(self.data.x_test), self.data.y_test)
+        test_err = self._update(losses.sum())  # the models share no weights: one backward serves all K
         return losses.detach(), error_percent(logits.detach(), y), test_err
 
     def run(self, epochs: int, progress: str | bool = False) -> History:
