@@ -115,11 +115,16 @@ def digits(device: torch.device | str = "cpu", test_size: float = 0.2, seed: int
                  torch.from_numpy(yte).long()).to(device)
 
 
+def fastai_patches() -> None:
+    """Import the fastai modules that patch Learner with `no_bar`, `fit_one_cycle` and `lr_find`."""
+    import fastai.callback.progress  # noqa: F401
+    import fastai.callback.schedule  # noqa: F401
+
+
 def fastai_dls(split: Split, bs: int = 64, shuffle: bool = True, seed: int | None = None) -> Any:
     """fastai DataLoaders (train, valid) over a Split's tensors: no download, no transforms, and a scratch `path`
     so that `lr_find` does not leave a models/ folder in the working directory."""
-    import fastai.callback.progress  # noqa: F401  (patches Learner with no_bar)
-    import fastai.callback.schedule  # noqa: F401  (patches Learner with fit_one_cycle and lr_find)
+    fastai_patches()
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
 

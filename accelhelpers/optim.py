@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .data import fastai_patches
 from .metrics import max_abs_diff
 from .train import FitHistory
 
@@ -333,19 +334,13 @@ def one_cycle_on_step(opt: torch.optim.Optimizer, n_steps: int, lr_max: float,
     return on_step
 
 
-def _load_fastai() -> None:
-    """Import the fastai modules that patch Learner with `fit_one_cycle`, `lr_find` and `no_bar`."""
-    import fastai.callback.progress  # noqa: F401
-    import fastai.callback.schedule  # noqa: F401
-
-
 def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, **fit_kw: Any) -> FitHistory:
     """Fit a fastai Learner (plain `fit`, or `fit_one_cycle` with `lr` as lr_max) and return it as a
     `train.FitHistory`: the first metric and the validation loss per epoch, cumulative training-phase seconds
     (validation excluded)."""
     if not learn.metrics:
         raise ValueError("fastai_history reads the first metric: build the Learner with metrics=accuracy")
-    _load_fastai()
+    fastai_patches()
     from fastai.callback.core import Callback
 
     class _TrainTimer(Callback):

@@ -74,3 +74,12 @@ def test_cnn1d_takes_batch_by_length_as_its_docstring_says():
     model = cnn1d(channels=4)
     assert tuple(model(torch.zeros(3, 40)).shape) == (3, 10)
     assert "[batch, length]" in cnn1d.__doc__ and "[batch, 1, length]" not in cnn1d.__doc__
+
+
+def test_fastai_patches_add_the_learner_methods_the_chapters_call():
+    from accelhelpers import data
+
+    data.fastai_patches()
+    from fastai.learner import Learner
+
+    assert all(hasattr(Learner, m) for m in ("no_bar", "fit_one_cycle", "lr_find"))
