@@ -12,7 +12,7 @@ import io
 import math
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,54 +218,36 @@ def ort_run(session: Any, x: Any) -> np.ndarray:
     return session.run(None, {name: np.ascontiguousarray(np.asarray(x, dtype=np.float32))})[0]
 
 
-def preprocess_onnx(src: str | Path, dst: str | Path) -> Path:
-    """ONNX Runtime's recommended step before quantizing: shape inference and graph optimization
-    (`quant_pre_process`); it also repairs stale shape annotations that make the quantizer fail."""
-    require("onnxruntime")
+def _preprocess(src: str | Path, dst: str | Path) -> str:
+    """ONNX Runtime's recommended step before quantizing (`quant_pre_process`: shape inference and graph
+    optimization, which also repairs stale shapes the quantizer fails on), written next to `dst` as .pre.onnx."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    quant_pre_process(str(src), str(dst))
-    return Path(dst)
-
-
-def _pre(src: str | Path, dst: str | Path) -> Path:
-    """Preprocess `src` into a sibling of `dst` named <dst stem>.pre.onnx."""
-    dst = Path(dst)
-    return preprocess_onnx(src, dst.with_name(dst.stem + ".pre.onnx"))
+    pre = Path(dst).with_name(Path(dst).stem + ".pre.onnx")
+    quant_pre_process(str(src), str(pre))
+    return str(pre)
 
 
 def quantize_onnx_dynamic(src: str | Path, dst: str | Path) -> Path:
-    """ONNX Runtime dynamic int8 (after `preprocess_onnx`): int8 weights stored, activations quantized per call
-    from their range."""
+    """ONNX Runtime dynamic int8: int8 weights stored, activations quantized per call from their range."""
     require("onnxruntime")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(_pre(src, dst)), str(dst), weight_type=QuantType.QInt8)
+    quantize_dynamic(_preprocess(src, dst), str(dst), weight_type=QuantType.QInt8)
     return Path(dst)
 
 
-class _ArrayReader:
-    """Feeds calibration batches to ONNX Runtime's static quantizer."""
-
-    def __init__(self, name: str, x: np.ndarray, batch: int) -> None:
-        self._batches: Iterator[dict[str, np.ndarray]] = iter(
-            [{name: x[i:i + batch]} for i in range(0, len(x), batch)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._batches, None)
-
-
 def quantize_onnx_static(src: str | Path, dst: str | Path, calib_x: Any, batch: int = 64) -> Path:
-    """ONNX Runtime static int8 in QDQ format (after `preprocess_onnx`): activation ranges fixed beforehand by
-    running calibration data."""
+    """ONNX Runtime static int8 in QDQ format: activation ranges fixed beforehand on calibration data."""
     require("onnxruntime")
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
     if len(x) == 0:
         raise ValueError("static quantization needs calibration rows (a few hundred training inputs)")
-    reader = type("Reader", (_ArrayReader, CalibrationDataReader), {})("x", x, batch)  # ORT's base, imported lazily
-    quantize_static(str(_pre(src, dst)), str(dst), reader, quant_format=QuantFormat.QDQ,
+    batches = iter([{"x": x[i:i + batch]} for i in range(0, len(x), batch)])
+    reader = type("Reader", (CalibrationDataReader,), {"get_next": lambda self: next(batches, None)})()
+    quantize_static(_preprocess(src, dst), str(dst), reader, quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
     return Path(dst)
 
@@ -404,12 +386,6 @@ def hls_predict(hm: Any, x: Any) -> np.ndarray:
     return np.asarray(hm.predict(np.ascontiguousarray(np.asarray(x, dtype=np.float32))), dtype=np.float32)
 
 
-def _sweep_one(model: nn.Module, n_features: int, out_dir: Path, x: np.ndarray, precision: str,
-               per_layer: dict[str, str] | None) -> np.ndarray:
-    """One sweep point: convert, compile with g++, predict (runs in a worker thread; g++ releases the GIL)."""
-    return hls_predict(hls_convert(model, n_features, out_dir, precision, per_layer=per_layer, quiet=False), x)
-
-
 def hls_sweep(model: nn.Module, n_features: int, x: Any, precisions: Sequence[str], out_root: str | Path,
               per_layer: Sequence[dict[str, str] | None] | None = None, workers: int = 2) -> list[np.ndarray]:
     """Compile one hls4ml project per precision under `out_root` (in parallel: each g++ build is its own process)
@@ -422,6 +398,6 @@ def hls_sweep(model: nn.Module, n_features: int, x: Any, precisions: Sequence[st
     x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     dirs = [Path(out_root) / f"p{i}_{re.sub(r'[^0-9]+', '_', p).strip('_')}" for i, p in enumerate(precisions)]
     with contextlib.redirect_stdout(io.StringIO()), ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(_sweep_one, model, n_features, d, x, p, o)
+        futures = [pool.submit(hls_convert, model, n_features, d, p, per_layer=o, quiet=False)  # g++ frees the GIL
                    for d, p, o in zip(dirs, precisions, per_layer, strict=True)]
-        return [f.result() for f in futures]
+        return [hls_predict(f.result(), x) for f in futures]

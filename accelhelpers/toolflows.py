@@ -183,7 +183,22 @@ def litert_convert_int8(model: nn.Module, calib_x: Any, path: str | Path, timeou
     stamp = path.with_suffix(".sha256")
     stamp.unlink(missing_ok=True)
     path.unlink(missing_ok=True)
-    _litert_convert(model, x, path, timeout)
+    if importlib.util.find_spec("litert_torch") is not None:
+        _litert_convert_here(model, x, path)
+    else:
+        exe = deploy.edge_python()
+        if exe is None:
+            require("litert_torch")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model_file, calib_file = path.with_suffix(".model.pt"), path.with_suffix(".calib.npy")
+        torch.save(model.eval(), model_file)
+        np.save(calib_file, x)
+        cmd = [str(exe), "-m", "accelhelpers.toolflows", "litert", str(model_file), str(calib_file), str(path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        if done.returncode != 0 or not path.exists():
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+            raise RuntimeError(f"litert-torch conversion in {exe} failed (exit {done.returncode}):\n{tail}")
     stamp.write_text(fingerprint(model, x))
     return path
 
@@ -194,26 +209,6 @@ def converted_from(path: str | Path, model: nn.Module, calib_x: Any) -> bool:
     stamp = path.with_suffix(".sha256")
     x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
     return path.exists() and stamp.exists() and stamp.read_text() == fingerprint(model, x)
-
-
-def _litert_convert(model: nn.Module, x: np.ndarray, path: Path, timeout: float) -> Path:
-    """The conversion of `litert_convert_int8`, here or in `.venv-edge`."""
-    if importlib.util.find_spec("litert_torch") is not None:
-        return _litert_convert_here(model, x, path)
-    exe = deploy.edge_python()
-    if exe is None:
-        require("litert_torch")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    model_file, calib_file = path.with_suffix(".model.pt"), path.with_suffix(".calib.npy")
-    torch.save(model.eval(), model_file)
-    np.save(calib_file, x)
-    cmd = [str(exe), "-m", "accelhelpers.toolflows", "litert", str(model_file), str(calib_file), str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    if done.returncode != 0 or not path.exists():
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"litert-torch conversion in {exe} failed (exit {done.returncode}):\n{tail}")
-    return path
 
 
 def litert_interpreter(path: str | Path, threads: int = 1) -> Any:
@@ -358,13 +353,9 @@ def hls_from_qonnx(model: Any, out_dir: str | Path, reuse_factor: int = 1, compi
     """Convert a cleaned QONNX model to an hls4ml Vitis project (io_parallel); the Quant nodes set each tensor's
     ap_fixed type, anything they do not cover gets a wide fixed<32,16>. With `compile`, g++ builds the
     bit-accurate emulation library."""
-    require("hls4ml", "qonnx")
+    require("hls4ml", "qonnx", *(("g++",) if compile else ()))
     import hls4ml
 
-    from .deploy import require as require_deploy
-
-    if compile:
-        require_deploy("g++")
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # hls4ml narrates the topology
         warnings.simplefilter("ignore")
         cfg = hls4ml.utils.config.config_from_onnx_model(model, granularity="name", backend="Vitis",
@@ -374,11 +365,6 @@ def hls_from_qonnx(model: Any, out_dir: str | Path, reuse_factor: int = 1, compi
                                                        backend="Vitis", hls_config=cfg)
         hm.compile() if compile else hm.write()
     return hm
-
-
-def hls_precisions(hm: Any) -> dict[str, str]:
-    """Layer name -> the ap_fixed type of its output in an hls4ml model (what the Quant nodes turned into)."""
-    return {layer.name: str(layer.get_output_variable().type.precision) for layer in hm.get_layers()}
 
 
 def hls_typedefs(hm: Any) -> list[str]:

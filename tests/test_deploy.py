@@ -161,7 +161,7 @@ def test_static_quantization(tmp_path, blobs, onnx_path):
     st = D.quantize_onnx_static(path, tmp_path / "st.onnx", x[:200].numpy())
     out = D.ort_run(D.ort_session(st, threads=1), x.numpy())
     assert ah.metrics.accuracy(out, y) > 0.95
-    assert D.preprocess_onnx(path, tmp_path / "pre.onnx").exists()
+    assert (tmp_path / "st.pre.onnx").exists()  # preprocessed first
     with pytest.raises(ValueError, match="calibration"):
         D.quantize_onnx_static(path, tmp_path / "st2.onnx", np.zeros((0, 6), np.float32))
 

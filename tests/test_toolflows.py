@@ -232,4 +232,4 @@ def test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit(tmp_pa
     hm = toolflows.hls_from_qonnx(toolflows.qonnx_for_hls4ml(path), tmp_path / "hls")
     x = _x(200, seed=5).numpy()
     np.testing.assert_array_equal(ah.deploy.hls_predict(hm, x), toolflows.brevitas_logits(q, x))
-    assert any("fixed<4," in p for p in toolflows.hls_precisions(hm).values())
+    assert any("fixed<4," in t for t in toolflows.hls_typedefs(hm))
