@@ -164,53 +164,30 @@ class LoaderTiming:
         return self.epoch_s[0]
 
     @property
-    def steady_items_per_s(self) -> float:
-        """Items per second over the later epochs (median), or the only epoch if there is one."""
-        later = self.epoch_s[1:] or self.epoch_s
-        return self.items / float(np.median(later))
-
-    @property
     def best_items_per_s(self) -> float:
         """Items per second of the fastest later epoch: the one least disturbed by other processes."""
         return self.items / min(self.epoch_s[1:] or self.epoch_s)
 
 
-def loader_throughput(loader: Iterable, device: torch.device | str = "cpu", epochs: int = 2,
-                      non_blocking: bool = False,
-                      batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LoaderTiming:
-    """Time whole epochs of `loader`: fetch, copy to `device` (optionally non_blocking), optional batch
-    transform there, device sync at the end of each epoch."""
-    if epochs < 1:
-        raise ValueError(f"loader_throughput needs epochs >= 1, got {epochs}")
-    times, items = [], 0
-    for _ in range(epochs):
-        t0, items = time.perf_counter(), 0
-        for xb, _yb in loader:
-            xb = xb.to(device, non_blocking=non_blocking)
-            if batch_tfm is not None:
-                xb = batch_tfm(xb)
-            items += len(xb)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    if items == 0:
-        raise ValueError("the loader yielded no batches: check the dataset length and drop_last")
-    return LoaderTiming(times, items)
-
-
 def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "cpu", epochs: int = 3,
                     batch_tfms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
                     non_blocking: bool = True) -> dict[str, LoaderTiming]:
-    """Time several loaders one epoch each in turn, `epochs` rounds: on a shared machine a burst of load then
-    hits every loader alike instead of whichever happened to run during it."""
+    """Time several loaders one epoch each in turn, `epochs` rounds (fetch, copy to `device`, batch transform
+    there, device sync): on a shared machine a burst of load then hits every loader alike."""
     if epochs < 1 or not loaders:
         raise ValueError("compare_loaders needs at least one loader and epochs >= 1")
     tfms = batch_tfms or {}
     out = {name: LoaderTiming([], 0) for name in loaders}
     for _ in range(epochs):
         for name, loader in loaders.items():
-            t = loader_throughput(loader, device, 1, non_blocking, tfms.get(name))
-            out[name].epoch_s.append(t.epoch_s[0])
-            out[name].items = t.items
+            t0, out[name].items = time.perf_counter(), 0
+            for xb, _yb in loader:
+                xb = xb.to(device, non_blocking=non_blocking)
+                out[name].items += len(tfms[name](xb) if name in tfms else xb)
+            sync(device)
+            out[name].epoch_s.append(time.perf_counter() - t0)
+            if out[name].items == 0:
+                raise ValueError(f"loader {name!r} yielded no batches: check the dataset length and drop_last")
     return out
 
 
