@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -131,22 +132,18 @@ def _check_hypers(h: dict[str, Any]) -> None:
         raise ValueError(f"need wd >= 0 and eps > 0, got wd={h.get('wd')}, eps={h.get('eps')}")
 
 
-def _wd_cb(decouple_wd: bool) -> StepCallback:
-    """The weight-decay callback: decoupled (AdamW) or L2 in the gradient (torch's `weight_decay`)."""
-    return decoupled_wd if decouple_wd else l2_penalty
-
-
 def sgd(params: Iterable[Any], lr: float, mom: float = 0.0, wd: float = 0.0,
         decouple_wd: bool = False) -> CallbackOptimizer:
     """SGD (with momentum if `mom` > 0): equals torch.optim.SGD(lr, momentum=mom, weight_decay=wd)."""
-    cbs = [_wd_cb(decouple_wd)] + ([average_grad, momentum_step] if mom else [sgd_step])
+    cbs = [decoupled_wd if decouple_wd else l2_penalty] + ([average_grad, momentum_step] if mom else [sgd_step])
     return CallbackOptimizer(params, cbs, lr=lr, mom=mom, wd=wd)
 
 
 def rmsprop(params: Iterable[Any], lr: float = 1e-2, sqr_mom: float = 0.99, eps: float = 1e-8, mom: float = 0.0,
             wd: float = 0.0, decouple_wd: bool = False) -> CallbackOptimizer:
     """RMSProp: equals torch.optim.RMSprop(lr, alpha=sqr_mom, eps) without momentum, fastai's RMSProp with it."""
-    cbs = [_wd_cb(decouple_wd)] + ([average_grad] if mom else []) + [average_sqr_grad, rmsprop_step]
+    cbs = [decoupled_wd if decouple_wd else l2_penalty] + ([average_grad] if mom else [])
+    cbs += [average_sqr_grad, rmsprop_step]
     return CallbackOptimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
 
 
@@ -154,14 +151,9 @@ def adam(params: Iterable[Any], lr: float = 1e-3, mom: float = 0.9, sqr_mom: flo
          wd: float = 0.0, decouple_wd: bool = True) -> CallbackOptimizer:
     """Adam with bias correction; decoupled `wd` makes it AdamW. Defaults are torch's (fastai: sqr_mom=0.99,
     eps=1e-5, wd=0.01)."""
-    cbs = [_wd_cb(decouple_wd), _dampened_average_grad, average_sqr_grad, count_steps, adam_step]
+    first_moment = partial(average_grad, dampen=True)  # Adam's: the gradient average with dampening 1 - mom
+    cbs = [decoupled_wd if decouple_wd else l2_penalty, first_moment, average_sqr_grad, count_steps, adam_step]
     return CallbackOptimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
-
-
-def _dampened_average_grad(grad: torch.Tensor, mom: float, grad_avg: torch.Tensor | None = None,
-                           **_: Any) -> dict[str, Any]:
-    """Adam's first moment: the gradient average with dampening (1 - mom)."""
-    return average_grad(grad, mom, grad_avg, dampen=True)
 
 
 def max_param_gap(model_fn: Callable[[], nn.Module], make_a: Callable[[list[nn.Parameter]], Any],
