@@ -281,13 +281,11 @@ def train_eval(split: Any, sizes: Sequence[int], policy: Policy, seed: int, epoc
     return {"accuracy": hist.acc[-1], "loss": hist.loss[-1]}
 
 
-def matmul_precision(n: int = 1024, device: torch.device | str = "cpu", min_time: float = 0.05,
-                     settings: Sequence[str] = ("highest", "high", "medium")) -> list[dict[str, Any]]:
+def matmul_precision(n: int = 1024, device: torch.device | str = "cpu",
+                     min_time: float = 0.05) -> list[dict[str, Any]]:
     """fp32 matmul speed (GFLOP/s, best of interleaved rounds) and relative error against float64 under each
     `torch.set_float32_matmul_precision` setting ('high' allows TF32 on Ampere+ GPUs); restores the setting."""
-    bad = [s for s in settings if s not in ("highest", "high", "medium")]
-    if bad:
-        raise ValueError(f"unknown matmul precision {bad}: use 'highest', 'high' or 'medium'")
+    settings = ("highest", "high", "medium")
     gen = torch.Generator(device="cpu").manual_seed(0)
     a, b = (torch.randn(n, n, generator=gen).to(device) for _ in range(2))
     ref = a.double() @ b.double()
@@ -317,9 +315,9 @@ def ratio(a: float, b: float) -> float:
 
 # ---------------------------------------------------------------- fastai
 
-def _mixed_precision_class() -> type:
-    """A fastai MixedPrecision callback that follows a Policy instead of hard-coding CUDA (built lazily: fastai is
-    imported only when asked for)."""
+def to_mixed(learn: Any, prefer: str | None = None, **scaler_kwargs: Any) -> Any:
+    """Put a fastai Learner in the device's mixed precision (`policy_for(learn.dls.device, prefer)`), replacing
+    fastai's `to_fp16()`/`to_bf16()`, which autocast for CUDA only; fp32 removes mixed precision."""
     from fastai.callback.fp16 import MixedPrecision
 
     class PolicyMixedPrecision(MixedPrecision):
@@ -334,17 +332,9 @@ def _mixed_precision_class() -> type:
             self.learn.scaler = self.policy.grad_scaler(**self.kwargs)
             self.scales = []
 
-    return PolicyMixedPrecision
-
-
-def to_mixed(learn: Any, prefer: str | None = None, **scaler_kwargs: Any) -> Any:
-    """Put a fastai Learner in the device's mixed precision (`policy_for(learn.dls.device, prefer)`), replacing
-    fastai's `to_fp16()`/`to_bf16()`, which autocast for CUDA only; fp32 removes mixed precision."""
-    from fastai.callback.fp16 import MixedPrecision
-
     policy = policy_for(learn.dls.device or "cpu", prefer)
     learn.remove_cbs([cb for cb in learn.cbs if isinstance(cb, MixedPrecision)])
     if policy.dtype is not None:
-        learn.add_cb(_mixed_precision_class()(policy, **scaler_kwargs))
+        learn.add_cb(PolicyMixedPrecision(policy, **scaler_kwargs))
     learn.precision_policy = policy
     return learn
