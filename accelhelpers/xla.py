@@ -179,18 +179,13 @@ def pending_ir(*tensors: torch.Tensor) -> str:
     return internals.xla_pending_ir(*tensors)
 
 
-def bucket_length(length: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket that holds `length` (so only len(buckets) shapes, hence graphs, ever occur)."""
-    fits = [b for b in buckets if b >= length]
+def pad_to_bucket(x: torch.Tensor, buckets: Sequence[int], value: float = 0.0) -> torch.Tensor:
+    """Pad the last dimension of `x` with `value` up to the smallest bucket that holds it (so only len(buckets)
+    shapes, hence graphs, ever occur)."""
+    length, fits = x.shape[-1], [b for b in buckets if b >= x.shape[-1]]
     if length < 1 or not fits:
         raise ValueError(f"length {length} does not fit any bucket {sorted(buckets)}: add a bucket >= {length}")
-    return min(fits)
-
-
-def pad_to_bucket(x: torch.Tensor, buckets: Sequence[int], value: float = 0.0) -> torch.Tensor:
-    """Pad the last dimension of `x` with `value` up to its bucket length (see `bucket_length`)."""
-    target = bucket_length(x.shape[-1], buckets)
-    return F.pad(x, (0, target - x.shape[-1]), value=value)
+    return F.pad(x, (0, min(fits) - length), value=value)
 
 
 def compile_causes(debug_file: str | Path, start: int = 0) -> tuple[list[str], int]:
@@ -227,12 +222,9 @@ def _launch_main(all_reduce: bool) -> None:
     print("launch finished", flush=True)
 
 
-def launch_demo(devices: int = 2, all_reduce: bool = False, timeout: float = 60.0,
-                stop_on: str = "may be stuck") -> tuple[int | None, str]:
-    """Run `torch_xla.launch` over `devices` XLA CPU devices in a fresh process; returns (exit code, output).
-
-    The run is stopped (exit code None) when a line containing `stop_on` appears or after `timeout` seconds.
-    """
+def launch_demo(devices: int = 2, all_reduce: bool = False, timeout: float = 60.0) -> tuple[int | None, str]:
+    """Run `torch_xla.launch` over `devices` XLA CPU devices in a fresh process; returns (exit code, output),
+    exit code None when stopped after `timeout` seconds or at a line saying the run "may be stuck"."""
     if devices < 1:
         raise ValueError("launch_demo needs devices >= 1")
     if not xla_installed():
@@ -241,5 +233,5 @@ def launch_demo(devices: int = 2, all_reduce: bool = False, timeout: float = 60.
            "PT_XLA_DEBUG_FILE": None}
     code = f"from accelhelpers.xla import _launch_main; _launch_main({bool(all_reduce)})"
     run = launch.launch([sys.executable, "-c", code], timeout, echo=False, check=False, env=env,
-                        stop_on=stop_on or None, stop_ok=True)
+                        stop_on="may be stuck", stop_ok=True)
     return run.returncode, run.output

@@ -88,14 +88,14 @@ def test_use_xla_stops_on_version_mismatch(monkeypatch):
 
 # --- buckets ---
 
-def test_bucket_length_and_errors():
-    assert xla.bucket_length(29, [40, 32]) == 32
-    assert xla.bucket_length(32, [32, 40]) == 32
-    assert xla.bucket_length(33, [32, 40]) == 40
+def test_pad_to_bucket_picks_the_smallest_bucket_and_errors():
+    assert xla.pad_to_bucket(torch.zeros(1, 29), [40, 32]).shape[-1] == 32
+    assert xla.pad_to_bucket(torch.zeros(1, 32), [32, 40]).shape[-1] == 32
+    assert xla.pad_to_bucket(torch.zeros(1, 33), [32, 40]).shape[-1] == 40
     with pytest.raises(ValueError, match="add a bucket >= 41"):
-        xla.bucket_length(41, [32, 40])
+        xla.pad_to_bucket(torch.zeros(1, 41), [32, 40])
     with pytest.raises(ValueError):
-        xla.bucket_length(0, [32])
+        xla.pad_to_bucket(torch.zeros(1, 0), [32])
 
 
 def test_pad_to_bucket_matches_torch_pad():
