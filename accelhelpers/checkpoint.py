@@ -80,12 +80,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 def digest(obj: Any) -> str:
     """SHA-256 of a nested state (dict/list/tuple of tensors and plain values), independent of device."""
     h = hashlib.sha256()
-    _feed(h, obj)
+    _feed(h, obj, "checkpoint")
     return h.hexdigest()
 
 
-def _feed(h: Any, obj: Any) -> None:
-    """Add one value to the running hash, recursing into containers in their order."""
+def _feed(h: Any, obj: Any, where: str) -> None:
+    """Add one value to the running hash, recursing into containers in their order; refuse values that
+    `torch.load(weights_only=True)` could not read back (so a save never writes a trap)."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous().reshape(-1)
         h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
@@ -93,31 +94,17 @@ def _feed(h: Any, obj: Any) -> None:
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)}".encode())
         for k, v in obj.items():
-            _feed(h, k)
-            _feed(h, v)
+            _feed(h, k, f"{where} key")
+            _feed(h, v, f"{where}[{k!r}]")
     elif isinstance(obj, (list, tuple)):
         h.update(f"{type(obj).__name__[0]}{len(obj)}".encode())
-        for v in obj:
-            _feed(h, v)
-    else:
-        h.update(f"{type(obj).__name__}:{obj!r};".encode())
-
-
-def _check_plain(obj: Any, where: str = "extra") -> None:
-    """Refuse values that `torch.load(weights_only=True)` could not read back (so a save never writes a trap)."""
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.Tensor, torch.dtype, torch.device)):
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _check_plain(k, f"{where} key")
-            _check_plain(v, f"{where}[{k!r}]")
-        return
-    if isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _check_plain(v, f"{where}[{i}]")
-        return
-    raise TypeError(f"{where} is a {type(obj).__name__}, which a safe (weights_only) load cannot read: "
-                    "use numbers, strings, tensors, and lists/tuples/dicts of them (e.g. torch.from_numpy(a))")
+            _feed(h, v, f"{where}[{i}]")
+    elif obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+    else:
+        raise TypeError(f"{where} is a {type(obj).__name__}, which a safe (weights_only) load cannot read: "
+                        "use numbers, strings, tensors, and lists/tuples/dicts of them (e.g. torch.from_numpy(a))")
 
 
 def atomic_save(obj: Any, path: str | Path, write: Callable[[Any, BinaryIO], Any] | None = None) -> Path:
@@ -143,8 +130,7 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "scaler": scaler.state_dict() if scaler is not None else None,
              "rng": rng_state(), "extra": extra}
-    _check_plain(state, "checkpoint")
-    state["sha256"] = digest(state)
+    state["sha256"] = digest(state)  # raises TypeError before anything is written if a value is not plain
     path = atomic_save(state, path)
     if keep is not None:
         numbered = sorted(p for p in path.parent.iterdir() if _STEP_NAME.match(p.name))
