@@ -46,11 +46,6 @@ class Timing:
         q = statistics.quantiles(self.times, n=4)
         return (q[2] - q[0]) / self.median
 
-    @property
-    def per_second(self) -> float:
-        """Calls per second at the median."""
-        return 1.0 / self.median
-
     def __str__(self) -> str:
         return f"{_fmt_seconds(self.median)} median, {_fmt_seconds(self.best)} best, ±{self.spread:.0%} IQR"
 
@@ -200,11 +195,7 @@ def mlp_flops(sizes: Sequence[int], batch: int, *, backward: bool = True) -> int
         raise ValueError("mlp_flops needs batch > 0 and at least two positive layer sizes")
     macs = [a * b for a, b in zip(sizes[:-1], sizes[1:], strict=False)]
     forward = 2 * batch * sum(macs)
-    if not backward:
-        return forward
-    weight_grads = 2 * batch * sum(macs)
-    input_grads = 2 * batch * sum(macs[1:])
-    return forward + weight_grads + input_grads
+    return forward + (forward + 2 * batch * sum(macs[1:]) if backward else 0)  # weight + input gradients
 
 
 def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -243,8 +234,6 @@ def measure_peaks(device: torch.device | str = "cpu", quick: bool = True) -> dic
 
 def fraction_of_peak(achieved_gflops: float, peak_gflops: float) -> float:
     """Achieved over peak, a number between 0 and about 1."""
-    if peak_gflops <= 0:
-        raise ValueError("peak_gflops must be positive")
-    if achieved_gflops < 0:
-        raise ValueError(f"achieved_gflops must be >= 0, got {achieved_gflops}")
+    if peak_gflops <= 0 or achieved_gflops < 0:
+        raise ValueError(f"peak_gflops must be positive and achieved_gflops >= 0, got {peak_gflops}, {achieved_gflops}")
     return achieved_gflops / peak_gflops

@@ -14,7 +14,7 @@ def test_benchmark_measures_a_known_sleep():
     t = ah.timing.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
     assert 0.0018 < t.median < 0.01
     assert t.best <= t.median and len(t.times) == 3 and t.calls_per_repeat >= 1
-    assert "median" in str(t) and t.per_second == pytest.approx(1 / t.median)
+    assert "median" in str(t)
 
 
 def test_benchmark_warms_up_and_calibrates():
