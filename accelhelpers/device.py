@@ -22,16 +22,9 @@ class DeviceUnavailable(RuntimeError):
 
 
 def in_colab() -> bool:
-    """True inside Google Colab: its kernel has imported `google.colab` before the first cell runs.
-
-    Never raises: `importlib.util.find_spec("google.colab")` raises ModuleNotFoundError wherever no `google`
-    package is installed, so only the already-imported module is looked at."""
+    """True inside Google Colab, whose kernel imports `google.colab` before the first cell (never raises, unlike
+    find_spec("google.colab") where no `google` package is installed)."""
     return "google.colab" in sys.modules
-
-
-def in_kaggle() -> bool:
-    """True inside a Kaggle notebook (Kaggle's kernels set KAGGLE_KERNEL_RUN_TYPE)."""
-    return "KAGGLE_KERNEL_RUN_TYPE" in os.environ
 
 
 def xla_installed() -> bool:
@@ -146,11 +139,6 @@ def choose_profile(asked: str | None = None, device_kind: str | None = None) -> 
     return "quick" if (device_kind or available_devices()[0]) == "cpu" else "full"
 
 
-def run_profile() -> str:
-    """The run profile from the environment: ACCEL_PROFILE if set, else 'full' with an accelerator."""
-    return choose_profile(None)
-
-
 def _cpu_info() -> tuple[str, list[str]]:
     """CPU model name and the ISA flags of interest (read from /proc/cpuinfo where there is one)."""
     model, flags = platform.processor() or platform.machine(), set()
@@ -168,14 +156,6 @@ def _cpu_info() -> tuple[str, list[str]]:
     return model, [f for f in ISA_FLAGS if f in flags]
 
 
-def _gpu_info() -> dict[str, Any]:
-    """Name, memory, compute capability and bf16 support of CUDA device 0."""
-    p = torch.cuda.get_device_properties(0)
-    return {"gpu": p.name, "gpu_memory_gb": round(p.total_memory / 2**30, 1),
-            "compute_capability": f"{p.major}.{p.minor}", "gpu_count": torch.cuda.device_count(),
-            "cuda_bf16": bool(torch.cuda.is_bf16_supported())}
-
-
 def hardware_report() -> dict[str, Any]:
     """What this machine is: versions, CPU model/cores/ISA, GPU, bf16 support, XLA, best device, profile."""
     model, flags = _cpu_info()
@@ -184,7 +164,8 @@ def hardware_report() -> dict[str, Any]:
         "cuda_build": torch.version.cuda, "platform": f"{platform.system()} {platform.machine()}",
         "cpu": model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
-        "torch_xla": None, "colab": in_colab(), "kaggle": in_kaggle(), "devices": available_devices(),
+        "torch_xla": None, "colab": in_colab(), "kaggle": "KAGGLE_KERNEL_RUN_TYPE" in os.environ,
+        "devices": available_devices(),
     }
     if xla_installed():
         from importlib.metadata import version
@@ -192,10 +173,13 @@ def hardware_report() -> dict[str, Any]:
         report["torch_xla"] = version("torch_xla")
         report["tpu_chips"] = tpu_chips()
     if torch.cuda.is_available():
-        report.update(_gpu_info())
+        p = torch.cuda.get_device_properties(0)
+        report.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 2**30, 1),
+                      compute_capability=f"{p.major}.{p.minor}", gpu_count=torch.cuda.device_count(),
+                      cuda_bf16=bool(torch.cuda.is_bf16_supported()))
     report["best_device"] = report["devices"][0]
     try:
-        report["profile"] = run_profile()
+        report["profile"] = choose_profile()
     except ValueError as e:
         report["profile"] = f"invalid ({e})"
     return report

@@ -39,15 +39,15 @@ def test_unknown_device_names_the_valid_kinds(monkeypatch):
 
 def test_profile_defaults_and_override(monkeypatch):
     monkeypatch.delenv("ACCEL_PROFILE", raising=False)
-    assert ah.device.run_profile() == ("quick" if ah.device.available_devices()[0] == "cpu" else "full")
+    assert ah.device.choose_profile() == ("quick" if ah.device.available_devices()[0] == "cpu" else "full")
     monkeypatch.setenv("ACCEL_PROFILE", "FULL")
-    assert ah.device.run_profile() == "full"
+    assert ah.device.choose_profile() == "full"
 
 
 def test_bogus_profile_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", "bogus")
     with pytest.raises(ValueError, match="'bogus' is not a profile: choose one of quick, full"):
-        ah.device.run_profile()
+        ah.device.choose_profile()
     assert ah.device.hardware_report()["profile"].startswith("invalid")
 
 
@@ -90,9 +90,9 @@ def test_colab_detection_never_raises_without_a_google_package(tmp_path):
 
 def test_kaggle_detection(monkeypatch):
     monkeypatch.delenv("KAGGLE_KERNEL_RUN_TYPE", raising=False)
-    assert dev.in_kaggle() is False
+    assert dev.hardware_report()["kaggle"] is False
     monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
-    assert dev.in_kaggle() is True
+    assert dev.hardware_report()["kaggle"] is True
 
 
 def _fake_pci(root, devices):

@@ -298,7 +298,7 @@ def test_bad_input_not_checked_yet(name, call, exc, message):
 def test_an_unknown_profile_name_is_refused(monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", "fast")
     with pytest.raises(ValueError, match="ACCEL_PROFILE='fast' is not a profile: choose one of quick, full"):
-        ah.device.run_profile()
+        ah.device.choose_profile()
 
 
 # --- the course runner -------------------------------------------------------------------------------------------
@@ -414,7 +414,7 @@ def test_property_best_device_returns_the_cpu_or_a_clear_error(name, monkeypatch
 def test_property_profile_is_valid_or_refused(value, monkeypatch):
     monkeypatch.setenv("ACCEL_PROFILE", value)
     try:
-        assert ah.device.run_profile() in ("quick", "full")
+        assert ah.device.choose_profile() in ("quick", "full")
     except ValueError as e:
         assert "ACCEL_PROFILE" in str(e) and "choose one of quick, full" in str(e)
 
