@@ -133,15 +133,13 @@ def free_memory() -> None:
         torch.mps.empty_cache()
 
 
-def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size: int = 1, factor: float = 0.5,
+def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size: int = 1,
                        on_backoff: Callable[[int, str], None] | None = None) -> tuple[Any, int]:
-    """Call `fn(batch_size)`; on out-of-memory free memory, shrink the batch by `factor` and retry down to
-    `min_batch_size`. Returns (result, batch size that worked); other errors pass through untouched."""
+    """Call `fn(batch_size)`; on out-of-memory free memory, halve the batch and retry down to `min_batch_size`.
+    Returns (result, batch size that worked); other errors pass through untouched."""
     if not isinstance(batch_size, int) or not isinstance(min_batch_size, int) or not 1 <= min_batch_size <= batch_size:
         raise ValueError(f"need ints 1 <= min_batch_size <= batch_size, got min_batch_size={min_batch_size!r}, "
                          f"batch_size={batch_size!r}")
-    if not 0 < factor < 1:
-        raise ValueError(f"factor must be between 0 and 1 (exclusive), got {factor}")
     while True:
         try:
             return fn(batch_size), batch_size
@@ -156,7 +154,7 @@ def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size
                 raise
         # outside the except block: the traceback (and the tensors its frames hold) is gone before freeing
         free_memory()
-        batch_size = max(min_batch_size, int(batch_size * factor))
+        batch_size = max(min_batch_size, batch_size // 2)
         if on_backoff is not None:
             on_backoff(batch_size, kind)
 
