@@ -194,11 +194,6 @@ def exit_reason(code: int) -> str:
 
 # --- the workers (each runs in its own process) --------------------------------------------------------------------
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write a small result file for the notebook to read."""
-    path.write_text(json.dumps(obj))
-
-
 def work_train(out: Path, steps: int, every: int, die_at: int | None, preemptible: bool) -> None:
     """Train to `steps`, checkpointing every `every` steps into out/ckpt and resuming from the newest good one
     there. `die_at`: SIGKILL ourselves after that step. `preemptible`: a SIGTERM saves and exits at the next step
@@ -225,8 +220,8 @@ def work_train(out: Path, steps: int, every: int, die_at: int | None, preemptibl
         if requested:
             save(run, checkpoint.checkpoint_path(folder, run.step))
             saved_s = time.monotonic() - preempt.at
-    _write_json(out / "result.json", {"started": started, "stopped": run.step, "signal": requested,
-                                      "signal_to_saved_s": saved_s if requested else None})
+    (out / "result.json").write_text(json.dumps({"started": started, "stopped": run.step, "signal": requested,
+                                                 "signal_to_saved_s": saved_s if requested else None}))
     if run.step == steps:
         save(run, out / "final.pt")
 
@@ -263,11 +258,6 @@ def work_kill_mid_save(out: Path, way: str, fraction: float = 0.5) -> None:
             write_then_die(state, f)
 
 
-def _address_space() -> int:
-    """This process's virtual memory size in bytes (Linux)."""
-    return int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def work_oom(out: Path, budget_mb: int, start_batch: int) -> None:
     """Under an address-space limit of `budget_mb` above what is mapped now, train one step at `start_batch`
     three ways: plainly, with faults.with_batch_backoff, and with accelerate's find_executable_batch_size."""
@@ -298,7 +288,8 @@ def work_oom(out: Path, budget_mb: int, start_batch: int) -> None:
     gc.collect()
     result["gc_frozen_s"] = time.perf_counter() - t0
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + budget_mb * 2**20, hard))
+    mapped = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")  # Linux
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + budget_mb * 2**20, hard))
     try:
         one_step(start_batch, "plain")
     except RuntimeError as e:
@@ -311,7 +302,7 @@ def work_oom(out: Path, budget_mb: int, start_batch: int) -> None:
     result["accelerate"] = find_executable_batch_size(lambda batch_size: one_step(batch_size, "accelerate"),
                                                       starting_batch_size=start_batch)()
     result["accelerate_s"] = time.perf_counter() - t0
-    _write_json(out / "oom.json", {**result, "tried": tried})
+    (out / "oom.json").write_text(json.dumps({**result, "tried": tried}))
 
 
 def _ddp_setup(timeout_s: float) -> tuple[int, nn.Module, nn.Module, torch.optim.Optimizer, Any]:
@@ -390,7 +381,7 @@ def work_nan(out: Path, steps: int, bad_step: int, timeout_s: float) -> None:
     rank 0 waits in the gradient all-reduce until the collective timeout)."""
     for phase in ("agreed", "local"):
         result = _nan_phase(steps, bad_step, phase == "agreed", timeout_s)
-        _write_json(out / f"nan_{phase}_rank{result['rank']}.json", result)
+        (out / f"nan_{phase}_rank{result['rank']}.json").write_text(json.dumps(result))
     with faults.peer_guard("final barrier"):
         faults.finish_distributed()
 
@@ -422,8 +413,8 @@ def work_fsdp(out: Path, steps: int) -> None:
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a collective: every rank calls it
     if rank == 0:
         torch.save(full, out / "full.pt")
-    _write_json(out / f"fsdp_rank{rank}.json", {"type": type(shard).__name__, "local": list(shard.to_local().shape),
-                                                "global": list(shard.shape)})
+    info = {"type": type(shard).__name__, "local": list(shard.to_local().shape), "global": list(shard.shape)}
+    (out / f"fsdp_rank{rank}.json").write_text(json.dumps(info))
     faults.finish_distributed()
 
 
