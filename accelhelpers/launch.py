@@ -4,6 +4,7 @@ hangs the kernel. `parallel` (chapter 06) and `xla` (chapter 07) launch through 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -14,7 +15,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 # every child: accelerate kept off XLA, output unbuffered, one torch thread per process (ranks share the cores)
 ENV = {"USE_TORCH_XLA": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -67,26 +67,16 @@ def start(cmd: list[str], env: dict[str, str | None] | None = None) -> subproces
                             env={k: v for k, v in merged.items() if v is not None}, start_new_session=True)
 
 
-def _pump(stream: IO[str], lines: queue.Queue) -> None:
-    """Copy a child's output lines into a queue (a thread, so the reader can keep a deadline)."""
-    for line in iter(stream.readline, ""):
-        lines.put(line)
-    lines.put(None)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole process group (torchrun's ranks included) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | None) -> tuple[list[str], str]:
     """Lines until the output ends ('eof'), a line holds `stop_on` ('marker') or the deadline passes ('deadline')."""
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+
+    def pump() -> None:  # a thread, so that this reader can keep the deadline
+        for line in iter(proc.stdout.readline, ""):
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
     out: list[str] = []
     while True:
         try:
@@ -117,8 +107,10 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
             proc.wait(timeout=max(t0 + timeout_s - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:  # closed its output but kept running
             why = "deadline"
-    if why != "eof":
-        _kill(proc)
+    if why != "eof":  # SIGKILL the whole process group (torchrun's ranks included) and reap it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     run = Run(proc.returncode if why == "eof" else None, "".join(out), time.monotonic() - t0)
     if why == "deadline" and not stop_ok:
         name = " ".join(map(str, proc.args[1:6])) if isinstance(proc.args, list) else str(proc.args)
@@ -132,6 +124,6 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
 def launch(cmd: list[str], timeout_s: float = 120.0, echo: bool = True, check: bool = True,
            env: dict[str, str | None] | None = None, stop_on: str | None = None, stop_ok: bool = False) -> Run:
     """Run `cmd` (e.g. torchrun_cmd(...)) to the end, printing its output as it arrives (see `finish`)."""
-    if timeout_s <= 0:
+    if timeout_s <= 0:  # before anything starts
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     return finish(start(cmd, env), timeout_s, echo, check, stop_on, stop_ok)
