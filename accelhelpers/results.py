@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -73,16 +74,12 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
 
 def _fsync_dir(folder: Path) -> None:
     """Make a rename in `folder` durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
