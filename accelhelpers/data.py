@@ -53,33 +53,11 @@ class Split:
                 f"classes={int(self.y_train.max()) + 1}, device={self.device})")
 
 
-def cache_dir() -> Path:
-    """Where generated data are cached: ACCEL_CACHE, else ~/.cache/accel-course."""
-    path = Path(os.environ.get("ACCEL_CACHE") or Path.home() / ".cache" / "accel-course")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
-    """Write an .npz atomically (results.atomic_write_bytes): never a half-written cache."""
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def _generate_mnist1d(seed: int) -> dict[str, np.ndarray]:
-    """Generate MNIST-1D with the mnist1d package's default arguments (5000 samples, 80/20, length 40)."""
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.seed = seed
-    d = make_dataset(args)
-    return {"x": d["x"], "y": d["y"], "x_test": d["x_test"], "y_test": d["y_test"]}
-
-
 def mnist1d(device: torch.device | str = "cpu", seed: int = 42) -> Split:
-    """MNIST-1D (4000 train / 1000 test, length 40, 10 classes), generated once and cached, on `device`."""
-    path = cache_dir() / f"mnist1d_seed{seed}.npz"
+    """MNIST-1D (4000 train / 1000 test, length 40, 10 classes), generated once and cached (in ACCEL_CACHE, else
+    ~/.cache/accel-course), on `device`."""
+    folder = Path(os.environ.get("ACCEL_CACHE") or Path.home() / ".cache" / "accel-course")
+    path = folder / f"mnist1d_seed{seed}.npz"
     arrays = None
     if path.exists():
         try:
@@ -88,8 +66,15 @@ def mnist1d(device: torch.device | str = "cpu", seed: int = 42) -> Split:
         except (OSError, ValueError, KeyError):
             arrays = None  # a damaged cache is regenerated, not trusted
     if arrays is None:
-        arrays = _generate_mnist1d(seed)
-        _atomic_savez(path, **arrays)
+        from mnist1d.data import get_dataset_args, make_dataset
+
+        args = get_dataset_args()  # the package's defaults: 5000 samples, 80/20, length 40
+        args.seed = seed
+        d = make_dataset(args)
+        arrays = {k: d[k] for k in ("x", "y", "x_test", "y_test")}
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        atomic_write_bytes(path, buf.getvalue())  # atomic (it makes the folder): never a half-written cache
     split = Split(torch.tensor(arrays["x"], dtype=torch.float32), torch.tensor(arrays["y"], dtype=torch.long),
                   torch.tensor(arrays["x_test"], dtype=torch.float32),
                   torch.tensor(arrays["y_test"], dtype=torch.long))
