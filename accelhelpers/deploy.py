@@ -105,13 +105,13 @@ class QParams:
     qmax: int
 
 
-def qparams(x_min: float, x_max: float, bits: int = 8, signed: bool = False, symmetric: bool = False,
+def qparams(x_min: float, x_max: float, signed: bool = False, symmetric: bool = False,
             float32_math: bool = False) -> QParams:
-    """Scale and zero-point for [x_min, x_max] (widened to include 0), as ONNX Runtime computes them: in float64
-    for weights (its Python quantizer), in float32 with `float32_math` (its C++ DynamicQuantizeLinear)."""
-    if x_min > x_max or bits < 2:
-        raise ValueError(f"need x_min <= x_max and bits >= 2, got [{x_min}, {x_max}] and {bits} bits")
-    qmin, qmax = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    """8-bit scale and zero-point for [x_min, x_max] (widened to include 0), as ONNX Runtime computes them: in
+    float64 for weights (its Python quantizer), in float32 with `float32_math` (its C++ DynamicQuantizeLinear)."""
+    if x_min > x_max:
+        raise ValueError(f"need x_min <= x_max, got [{x_min}, {x_max}]")
+    qmin, qmax = (-128, 127) if signed else (0, 255)
     if signed and symmetric:
         qmin = -qmax  # int8 symmetric uses [-127, 127] so that zero_point is exactly 0
     lo, hi = min(float(x_min), 0.0), max(float(x_max), 0.0)
@@ -128,9 +128,9 @@ def qparams(x_min: float, x_max: float, bits: int = 8, signed: bool = False, sym
 
 
 def quantize(x: Any, qp: QParams) -> np.ndarray:
-    """Integers q = clip(round_half_even(x / scale) + zero_point) in the smallest NumPy type that holds them."""
+    """Integers q = clip(round_half_even(x / scale) + zero_point) as int8 (signed) or uint8."""
     q = np.clip(np.round(np.asarray(x, dtype=np.float32) / np.float32(qp.scale)) + qp.zero_point, qp.qmin, qp.qmax)
-    return q.astype(np.int8 if qp.qmin < 0 and qp.qmax <= 127 else np.uint8 if qp.qmax <= 255 else np.int32)
+    return q.astype(np.int8 if qp.qmin < 0 else np.uint8)
 
 
 def dequantize(q: Any, qp: QParams) -> np.ndarray:

@@ -4,7 +4,6 @@ results are apart. Every chapter reads these the same way, so each is written on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -22,13 +21,12 @@ def accuracy(logits: Any, y: Any) -> float:
     return (pred == y).float().mean().item() if torch_in else float((pred == y).mean())
 
 
-def model_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: Any = None) -> float:
-    """Accuracy of `model` on (x, y) in eval mode without gradients (under `policy`'s autocast if given); the
-    model's train/eval mode is restored afterwards."""
+def model_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Accuracy of `model` on (x, y) in eval mode without gradients; the model's train/eval mode is restored."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), (policy.autocast() if policy is not None else nullcontext()):
+        with torch.no_grad():
             return accuracy(model(x), y)
     finally:
         model.train(was_training)

@@ -172,13 +172,12 @@ def fingerprint(model: nn.Module, *arrays: Any) -> str:
     return h.hexdigest()
 
 
-def litert_convert_int8(model: nn.Module, calib_x: Any, path: str | Path, timeout: float = 600,
-                        reuse: bool = True) -> Path:
+def litert_convert_int8(model: nn.Module, calib_x: Any, path: str | Path, timeout: float = 600) -> Path:
     """Convert `model` to a full-integer int8 .tflite with litert-torch: in this process when litert_torch imports
-    here, else in `.venv-edge` (a subprocess that loads the pickled model and the calibration rows). With `reuse`,
-    a file already converted from the same weights and calibration rows (its `.sha256` beside it) is kept."""
+    here, else in `.venv-edge` (a subprocess that loads the pickled model and the calibration rows). A file already
+    converted from the same weights and calibration rows (its `.sha256` beside it) is kept."""
     path, x = Path(path), np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
-    if reuse and converted_from(path, model, x):
+    if converted_from(path, model, x):
         return path
     stamp = path.with_suffix(".sha256")
     stamp.unlink(missing_ok=True)
@@ -349,21 +348,20 @@ def qonnx_for_hls4ml(path: str | Path) -> Any:
         return cleanup_model(model)
 
 
-def hls_from_qonnx(model: Any, out_dir: str | Path, reuse_factor: int = 1, compile: bool = True) -> Any:
-    """Convert a cleaned QONNX model to an hls4ml Vitis project (io_parallel); the Quant nodes set each tensor's
-    ap_fixed type, anything they do not cover gets a wide fixed<32,16>. With `compile`, g++ builds the
-    bit-accurate emulation library."""
-    require("hls4ml", "qonnx", *(("g++",) if compile else ()))
+def hls_from_qonnx(model: Any, out_dir: str | Path) -> Any:
+    """Convert a cleaned QONNX model to an hls4ml Vitis project (io_parallel) and build its bit-accurate emulation
+    with g++; the Quant nodes set each tensor's ap_fixed type, anything they do not cover gets fixed<32,16>."""
+    require("hls4ml", "qonnx", "g++")
     import hls4ml
 
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # hls4ml narrates the topology
         warnings.simplefilter("ignore")
         cfg = hls4ml.utils.config.config_from_onnx_model(model, granularity="name", backend="Vitis",
                                                          default_precision="fixed<32,16>",
-                                                         default_reuse_factor=reuse_factor)
+                                                         default_reuse_factor=1)
         hm = hls4ml.converters.convert_from_onnx_model(model, output_dir=str(out_dir), io_type="io_parallel",
                                                        backend="Vitis", hls_config=cfg)
-        hm.compile() if compile else hm.write()
+        hm.compile()
     return hm
 
 

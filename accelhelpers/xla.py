@@ -127,26 +127,19 @@ class XlaCounts:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", int)}
 
 
-def _metric(name: str) -> tuple[int, float]:
-    """(samples, total seconds) of a torch_xla timing metric (zeros when it never fired)."""
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data(name)
-    return (0, 0.0) if data is None else (int(data[0]), float(data[1]) / 1e9)
-
-
 def xla_counts() -> XlaCounts:
     """A snapshot of the counters now (subtract two snapshots for what a block of code did)."""
     import torch_xla.debug.metrics as met
 
-    def counter(name: str) -> int:
-        return int(met.counter_value(name) or 0)
+    def metric(name: str) -> tuple[int, float]:  # (samples, total seconds); zeros when it never fired
+        data = met.metric_data(name)
+        return (0, 0.0) if data is None else (int(data[0]), float(data[1]) / 1e9)
 
-    n_compile, compile_s = _metric("CompileTime")
-    n_exec, execute_s = _metric("ExecuteTime")
-    return XlaCounts(compiles=n_compile, cached_compiles=counter("CachedCompile"), executions=n_exec,
-                     compile_s=compile_s, execute_s=execute_s, to_host=_metric("TransferFromDeviceTime")[0],
-                     syncs=counter("MarkStep"))
+    n_compile, compile_s = metric("CompileTime")
+    n_exec, execute_s = metric("ExecuteTime")
+    return XlaCounts(compiles=n_compile, cached_compiles=int(met.counter_value("CachedCompile") or 0),
+                     executions=n_exec, compile_s=compile_s, execute_s=execute_s,
+                     to_host=metric("TransferFromDeviceTime")[0], syncs=int(met.counter_value("MarkStep") or 0))
 
 
 @dataclass
@@ -158,7 +151,7 @@ class Counted:
 
 
 @contextmanager
-def counting(device: torch.device | None = None) -> Iterator[Counted]:
+def counting() -> Iterator[Counted]:
     """Measure a block: counter deltas and wall time. Waits for the device before starting and before stopping,
     because executions run asynchronously and would otherwise be counted in the wrong block."""
     import torch_xla.core.xla_model as xm
