@@ -73,10 +73,8 @@ def available_devices() -> list[str]:
 
 
 def best_device(prefer: str | None = None) -> torch.device:
-    """The best device here (cuda > xla/TPU > mps > cpu), or the one asked for by `prefer` / ACCEL_DEVICE.
-
-    Asking for a device that is not present raises DeviceUnavailable naming the ones that are.
-    """
+    """The best device here (cuda > xla/TPU > mps > cpu), or the one `prefer` / ACCEL_DEVICE asks for (one not
+    present raises DeviceUnavailable naming those that are)."""
     want = prefer or os.environ.get("ACCEL_DEVICE") or None
     have = available_devices()
     index = ""

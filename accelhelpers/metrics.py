@@ -68,9 +68,8 @@ def activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
 
 
 def peak_memory(fn: Callable[[], Any], device: torch.device | str) -> int | None:
-    """Peak CUDA memory (bytes, above what was allocated before) while `fn()` runs, by
-    `torch.cuda.max_memory_allocated`; None on other devices, whose allocators keep no such statistic
-    (use `saved_bytes` there)."""
+    """Peak CUDA memory (bytes, above what was allocated before) while `fn()` runs; None on other devices, whose
+    allocators keep no such statistic (use `saved_bytes` there)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return None

@@ -59,12 +59,9 @@ def torchrun(worker: str, *args: object, nproc: int = 2, timeout_s: float = 120.
 
 # --- data parallelism from first principles ----------------------------------------------------------------------
 
-def toy_data(steps: int, batch: int, d_in: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def toy_data(steps: int, batch: int, d_in: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded regression batches, shape (steps, batch, d_in) and (steps, batch, 1): the global batches."""
-    if steps < 1 or batch < 1 or d_in < 1:
-        raise ValueError(f"steps, batch and d_in must be >= 1, got {steps}, {batch}, {d_in}")
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(steps, batch, d_in, generator=g)
+    x = torch.randn(steps, batch, d_in, generator=torch.Generator().manual_seed(0))
     return x, x.sum(-1, keepdim=True).sin()
 
 
@@ -495,12 +492,6 @@ def ring_allreduce_seconds(nbytes: int, world: int, bandwidth: float, latency: f
     return 2 * (world - 1) / world * nbytes / bandwidth + latency
 
 
-def _stage(width: int, depth: int, seed: int) -> nn.Sequential:
-    """One pipeline stage: `depth` Linear+ReLU layers of `width` (seeded so a rerun builds the same stage)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
-
-
 def gpipe_step(stage: nn.Module, x: torch.Tensor, micro: int) -> tuple[float, float]:
     """One GPipe step on 2 ranks (rank 0: first stage, rank 1: second stage and the loss): all micro-batches
     forward, then all backward, activations and their gradients sent between the ranks. Returns (wall seconds,
@@ -544,7 +535,8 @@ def gpipe_step(stage: nn.Module, x: torch.Tensor, micro: int) -> tuple[float, fl
 def pipeline_bubble(micro_batches: list[int], batch: int, width: int, depth: int, reps: int) -> dict[str, Any]:
     """For each number of micro-batches m: median wall time of a GPipe step and the fraction of it this rank sat
     idle (measured bubble), to set against the theory (p-1)/(m+p-1) for p = 2 stages."""
-    stage = _stage(width, depth, seed=dist.get_rank())
+    torch.manual_seed(dist.get_rank())  # this rank's stage: `depth` Linear+ReLU layers of `width`
+    stage = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(0))
     res = {}
     for m in micro_batches:

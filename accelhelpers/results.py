@@ -103,10 +103,8 @@ def _jsonable(value: Any) -> Any:
 
 def record(name: str, value: Any, unit: str = "", note: str = "", spread: tuple[float, float] | None = None,
            repeats: int | None = None) -> Any:
-    """Record a named measurement of the current chapter (replacing one of the same name) and return it.
-
-    `spread` (lowest, highest) and `repeats` give the range over interleaved repeats of which `value` is the
-    median (timing.round_ratios); the report shows it and flags a ratio whose range crosses 1.0."""
+    """Record a named measurement of the current chapter (replacing one of the same name) and return it; `spread`
+    (lowest, highest) over `repeats` interleaved repeats, of which `value` is the median, goes into the report."""
     if not name:
         raise ValueError("a result needs a name")
     if spread is not None and not (len(spread) == 2 and spread[0] <= spread[1]):

@@ -19,9 +19,8 @@ T = TypeVar("T")
 
 
 def progress(items: Iterable[T], desc: str | bool | None = None, **kw: Any) -> Iterable[T]:
-    """`items` with a progress bar (tqdm.auto: a widget in Jupyter, text in a terminal) when `desc` is truthy;
-    plain `items` otherwise. The bar redraws at most twice a second and disappears when done. Set the
-    environment variable TQDM_DISABLE=1 to silence every bar (`make test` does, so CI logs stay clean)."""
+    """`items` with a progress bar (tqdm.auto: a widget in Jupyter, text in a terminal) when `desc` is truthy,
+    plain `items` otherwise; TQDM_DISABLE=1 silences every bar (`make test` sets it)."""
     if not desc:
         return items
     from tqdm.auto import tqdm
@@ -75,11 +74,9 @@ class Setup:
 
 def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True,
           profile: str | None = None, supports: tuple[str, ...] = ("cuda", "mps", "cpu")) -> Setup:
-    """Start a chapter: seed, pick the device (announcing a CPU fallback), print the hardware report.
-
-    `profile` ('quick' or 'full') comes from the notebook's `PROFILE` parameter; None means ACCEL_PROFILE,
-    else 'quick' on a CPU and 'full' on an accelerator. `supports`: the device kinds the chapter is written
-    for; on a host whose best device is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
+    """Start a chapter: seed, pick the device, print the hardware report. `profile`: the notebook's PROFILE
+    (None: `device.choose_profile`); `supports`: the device kinds the chapter is written for, where the best device
+    is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
     set_chapter(chapter)
     seed_everything(seed)
     note, best = None, available_devices()[0]

@@ -106,9 +106,8 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device | str
 
 
 def round_ratios(slow: Timing, fast: Timing) -> tuple[float, float, float]:
-    """Speed-up of `fast` over `slow` from interleaved rounds (one ratio per round): (median, lowest, highest).
-
-    A headline ratio is quoted with its range; a range that crosses 1.0 is no reliable difference."""
+    """Speed-up of `fast` over `slow`, one ratio per interleaved round: (median, lowest, highest); a range that
+    crosses 1.0 is no reliable difference."""
     if len(slow.times) != len(fast.times) or len(slow.times) < 3:
         raise ValueError(f"need the same number (>= 3) of interleaved rounds for both, got {len(slow.times)} and "
                          f"{len(fast.times)}: time them together with timing.interleaved(..., rounds=3 or more)")

@@ -33,11 +33,8 @@ def base_version(v: str) -> str:
 
 
 def version_fix(torch_version: str, xla_version: str | None, on_tpu: bool | None = None) -> str | None:
-    """None when torch and torch_xla are the same release; else what to do, with the pip command if one helps.
-
-    torch_xla is built against one exact torch release; any other gives `_XLAC... undefined symbol` on import.
-    Without torch_xla: on a TPU host, install the newest torch_xla with its torch; elsewhere (a Colab GPU
-    runtime, say) the TPU build is the wrong thing to install, so say where chapter 07 runs instead."""
+    """None when torch and torch_xla are the same release (any other gives `_XLAC... undefined symbol` on import);
+    else what to do: the pip command, or, without torch_xla and off a TPU host, where chapter 07 runs."""
     if xla_version is None:
         if on_tpu if on_tpu is not None else tpu_present():
             return INSTALL_FIX.format(v=NEWEST_XLA) + "   # torch_xla is not installed; then restart the runtime"
