@@ -229,30 +229,16 @@ def one_cycle(n_steps: int, lr_max: float, div: float = 25.0, div_final: float =
 
 @dataclass
 class LRFinderResult:
-    """What an LR sweep saw: learning rates, smoothed and raw losses, and the suggestions drawn from them."""
+    """What an LR sweep saw: learning rates, smoothed losses, and the suggestions drawn from them."""
 
     lrs: np.ndarray
     losses: np.ndarray
-    raw_losses: np.ndarray
     suggestions: dict[str, float] = field(default_factory=dict)
 
     @property
     def suggestion(self) -> float:
         """The rate to use: the middle of the longest valley of the smoothed loss."""
         return self.suggestions["valley"]
-
-
-def _valley_span(losses: np.ndarray) -> tuple[int, int]:
-    """(first, last) index of the longest decreasing subsequence of `losses`: the longest stretch over which
-    the loss keeps going down, tolerant of the odd noisy point."""
-    n = len(losses)
-    length, start = [1] * n, list(range(n))
-    for i in range(n):
-        for j in range(i):
-            if losses[j] > losses[i] and length[j] + 1 > length[i]:
-                length[i], start[i] = length[j] + 1, start[j]
-    last = int(np.argmax(length))
-    return start[last], last
 
 
 def lr_suggestions(lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, skip_start: int = 10,
@@ -269,7 +255,13 @@ def lr_suggestions(lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | 
         raise ValueError(f"an LR sweep needs at least {skip_start + skip_end + 3} finite points to suggest a rate, "
                          f"got {len(lrs)}; use more iterations or a lower start_lr")
     slope = np.diff(loss) / np.diff(np.log(lr))
-    first, last = _valley_span(loss)
+    length, start = [1] * len(loss), list(range(len(loss)))  # the valley: the longest decreasing subsequence
+    for i in range(len(loss)):
+        for j in range(i):
+            if loss[j] > loss[i] and length[j] + 1 > length[i]:
+                length[i], start[i] = length[j] + 1, start[j]
+    last = int(np.argmax(length))
+    first = start[last]
     return {"minimum": float(lr[np.argmin(loss)] / 10), "steep": float(lr[np.argmin(slope)]),
             "valley": float(lr[(first + last) // 2])}
 
@@ -284,7 +276,7 @@ def lr_find(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
     if not 0 < start_lr < end_lr or num_it < 6:
         raise ValueError(f"lr_find needs 0 < start_lr < end_lr and num_it >= 6, got {start_lr}, {end_lr}, {num_it}")
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    lrs, raw, smooth = [], [], []
+    lrs, smooth = [], []
     v, best, batch_iter = 0.0, math.inf, itertools.cycle(batches)
     model.train()
     try:
@@ -296,10 +288,9 @@ def lr_find(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
             opt.zero_grad()
             loss.backward()
             opt.step()
-            value = loss.item()
-            v = beta * v + (1 - beta) * value
+            v = beta * v + (1 - beta) * loss.item()
             s = v / (1 - beta ** (i + 1))
-            lrs.append(lr), raw.append(value), smooth.append(s)
+            lrs.append(lr), smooth.append(s)
             best = min(best, s)
             if not math.isfinite(s) or s > stop_factor * best:
                 break
@@ -307,7 +298,7 @@ def lr_find(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], to
         model.load_state_dict(saved_model)
         opt.load_state_dict(saved_opt)
     lrs_a, smooth_a = np.array(lrs), np.array(smooth)
-    return LRFinderResult(lrs_a, smooth_a, np.array(raw), lr_suggestions(lrs_a, smooth_a, skip_start=num_it // 10))
+    return LRFinderResult(lrs_a, smooth_a, lr_suggestions(lrs_a, smooth_a, skip_start=num_it // 10))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ class LoaderTiming:
 
 def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "cpu", epochs: int = 3,
                     batch_tfms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
-                    non_blocking: bool = True) -> dict[str, LoaderTiming]:
+                    ) -> dict[str, LoaderTiming]:
     """Time several loaders one epoch each in turn, `epochs` rounds (fetch, copy to `device`, batch transform
     there, device sync): on a shared machine a burst of load then hits every loader alike."""
     if epochs < 1 or not loaders:
@@ -182,7 +182,7 @@ def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "
         for name, loader in loaders.items():
             t0, out[name].items = time.perf_counter(), 0
             for xb, _yb in loader:
-                xb = xb.to(device, non_blocking=non_blocking)
+                xb = xb.to(device, non_blocking=True)
                 out[name].items += len(tfms[name](xb) if name in tfms else xb)
             sync(device)
             out[name].epoch_s.append(time.perf_counter() - t0)

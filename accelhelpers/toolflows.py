@@ -81,10 +81,9 @@ def quantized_layers(model: nn.Module) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------ OpenVINO + NNCF
-def openvino_compile(model: Any, threads: int = 1, precision: str = "f32", batch: int | None = None) -> Any:
-    """Compile an ONNX path or an OpenVINO model for the CPU with `threads` inference threads; `precision` 'f32'
-    keeps fp32 arithmetic (OpenVINO may otherwise pick bf16 or f16 where the CPU has it); `batch` fixes the batch
-    dimension (a static shape lets the plugin plan once instead of per call)."""
+def openvino_compile(model: Any, threads: int = 1, batch: int | None = None) -> Any:
+    """Compile an ONNX path or an OpenVINO model for the CPU with `threads` inference threads, in fp32 arithmetic
+    (not bf16 or f16 where the CPU has them); `batch` fixes the batch dimension (the plugin then plans once)."""
     require("openvino")
     import openvino as ov
 
@@ -94,7 +93,7 @@ def openvino_compile(model: Any, threads: int = 1, precision: str = "f32", batch
         shape = source.input(0).get_partial_shape()
         shape[0] = batch
         source.reshape({source.input(0): shape})
-    return core.compile_model(source, "CPU", {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision})
+    return core.compile_model(source, "CPU", {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32"})
 
 
 def openvino_run(compiled: Any, x: Any) -> np.ndarray:
