@@ -183,16 +183,6 @@ def latest_good_checkpoint(folder: str | Path, exclude: Iterable[str | Path] = (
 FALLBACKS = ("damaged", "always", "never")
 
 
-def _listing(folder: Path) -> str:
-    """One line naming the checkpoint files in `folder`, for an error about a path that is not there."""
-    names = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".")
-                   and p.is_file()) if folder.is_dir() else []
-    if not names:
-        return f"no checkpoint in {folder} yet"
-    return (f"checkpoints in {folder}: {', '.join(names)} (pass one of them, or fallback='always' to load the "
-            "newest good one)")
-
-
 def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.device) -> tuple[Path, dict[str, Any]]:
     """Read `path`; a damaged file (or, with fallback='always', a missing one) gives the newest good checkpoint
     in the same folder instead, with a CheckpointWarning naming the file loaded."""
@@ -202,7 +192,13 @@ def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.devi
     try:
         return path, read_checkpoint(path, map_location)
     except CheckpointError as e:
-        error = CheckpointError(f"{e}; {_listing(path.parent)}") if missing else e
+        error, folder = e, path.parent
+        if missing:  # one line naming the checkpoints that are there
+            names = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".")
+                           and p.is_file()) if folder.is_dir() else []
+            error = CheckpointError(f"{e}; checkpoints in {folder}: {', '.join(names)} (pass one of them, or "
+                                    "fallback='always' to load the newest good one)" if names else
+                                    f"{e}; no checkpoint in {folder} yet")
         if fallback == "never" or path.is_dir() or (missing and fallback != "always"):
             raise error from e
         other = latest_good_checkpoint(path.parent, exclude=[path])

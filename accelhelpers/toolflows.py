@@ -284,27 +284,22 @@ def brevitas_mlp(sizes: Sequence[int], bits: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def copy_linear_weights(src: nn.Module, dst: nn.Module) -> nn.Module:
-    """Copy the weights and biases of `src`'s Linear layers, in order, into `dst`'s (Brevitas layers are Linear)."""
-    a = [m for m in src.modules() if isinstance(m, nn.Linear)]
-    b = [m for m in dst.modules() if isinstance(m, nn.Linear)]
-    if [(m.in_features, m.out_features) for m in a] != [(m.in_features, m.out_features) for m in b]:
-        raise ValueError("the two models' Linear layers differ in number or shape")
-    with torch.no_grad():
-        for s, d in zip(a, b):
-            d.weight.copy_(s.weight)
-            if s.bias is not None and d.bias is not None:
-                d.bias.copy_(s.bias)
-    return dst
-
-
 def brevitas_ptq(fp32: nn.Module, sizes: Sequence[int], bits: int, calib_x: torch.Tensor,
                  batch: int = 256) -> nn.Sequential:
     """Post-training quantization with the same quantizers as QAT: a `brevitas_mlp` holding the fp32 weights,
     activation scales calibrated on `calib_x` (Brevitas' calibration mode), no training."""
     from brevitas.graph.calibrate import calibration_mode
 
-    q = copy_linear_weights(fp32, brevitas_mlp(sizes, bits))
+    q = brevitas_mlp(sizes, bits)
+    a = [m for m in fp32.modules() if isinstance(m, nn.Linear)]
+    b = [m for m in q.modules() if isinstance(m, nn.Linear)]  # Brevitas' QuantLinear is a Linear
+    if [(m.in_features, m.out_features) for m in a] != [(m.in_features, m.out_features) for m in b]:
+        raise ValueError(f"the fp32 model's Linear layers differ in number or shape from sizes {list(sizes)}")
+    with torch.no_grad():
+        for s, d in zip(a, b):
+            d.weight.copy_(s.weight)
+            if s.bias is not None:
+                d.bias.copy_(s.bias)
     with torch.no_grad(), calibration_mode(q):
         for i in range(0, len(calib_x), batch):
             q(calib_x[i:i + batch])

@@ -205,9 +205,9 @@ def test_brevitas_mlp_refuses_bad_sizes():
 
 
 @_needs("brevitas")
-def test_copy_linear_weights_checks_the_shapes():
+def test_brevitas_ptq_checks_the_shapes():
     with pytest.raises(ValueError, match="differ"):
-        toolflows.copy_linear_weights(_mlp((40, 8, 10)), toolflows.brevitas_mlp([40, 16, 10], 4))
+        toolflows.brevitas_ptq(_mlp((40, 8, 10)), [40, 16, 10], 4, _x(8))
 
 
 @_needs("brevitas")
