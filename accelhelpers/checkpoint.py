@@ -1,9 +1,7 @@
 """Crash-safe checkpoints: atomic save, verified load, exact resume (model, optimizer, scheduler, scaler, RNGs).
 
-A checkpoint is one `torch.save` file holding plain state dicts, the RNG states and a SHA-256 digest of
-everything in it. It is written to a temporary file in the same folder, fsync'ed and renamed over the
-target (`os.replace` is atomic), so a crash mid-save leaves the previous file intact. Loading always uses
-`torch.load(weights_only=True)`, which never runs code from the file.
+A checkpoint is one `torch.save` file of plain state dicts, the RNG states and a SHA-256 digest of it all, written
+atomically (`results.atomic_write`) and loaded with `torch.load(weights_only=True)`, which never runs its code.
 """
 
 from __future__ import annotations

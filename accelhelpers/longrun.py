@@ -1,11 +1,6 @@
-"""Chapter 09's long run in miniature, and the processes the chapter starts, kills, preempts and restarts.
-
-`make_run` builds a small training run that uses every piece of state a resume needs (weights, AdamW moments,
-a one-cycle schedule, dropout on the torch RNG, noise from NumPy, a scale from Python's `random`, and a shuffling
-DataLoader with its own generator, which draws each epoch's order when the epoch starts and once more when the
-epoch ends). `python -m accelhelpers.longrun NAME OUT ...` runs one worker in a fresh
-process (a function defined in a notebook cannot be started that way); `start`, `torchrun` and `finish` launch
-them with one torch thread and a timeout.
+"""Chapter 09's long run in miniature (`make_run`: every kind of state a resume needs), and the processes the
+chapter starts, kills, preempts and restarts: `python -m accelhelpers.longrun NAME OUT ...` runs one worker in a
+fresh process (a function defined in a notebook cannot be started that way), launched by `start` or `torchrun`.
 """
 
 from __future__ import annotations

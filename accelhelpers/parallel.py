@@ -550,8 +550,7 @@ def pipeline_bubble(micro_batches: list[int], batch: int, width: int, depth: int
 
 def techniques(out: Path, steps: int, rounds: int, width: int) -> None:
     """Worker: FSDP2's memory against DDP's, AMP inside DDP, find_unused_parameters / static_graph, an all-reduce
-    sweep over message sizes and GPipe micro-batch pipelining, in one launch (each launch costs seconds of
-    start-up); rank 0 writes techniques.json (its view; pipeline: both ranks')."""
+    sweep and GPipe micro-batches; rank 0 writes techniques.json (its view; pipeline: both ranks')."""
     from .data import mnist1d
 
     rank, world = init_distributed("gloo", 120.0)

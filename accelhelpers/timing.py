@@ -202,9 +202,7 @@ def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype
     """Measured GFLOP/s of an n x n by n x n matmul (best repeat)."""
     if n <= 0:
         raise ValueError(f"n must be a positive matrix size, got {n}")
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
+    a, b, out = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
     t = benchmark(lambda: torch.mm(a, b, out=out), device, min_time=min_time, repeats=repeats)
     return 2 * n**3 / t.best / 1e9
 
@@ -226,9 +224,8 @@ def measure_peaks(device: torch.device | str = "cpu", quick: bool = True) -> dic
     sizes = (512, 1024, 2048) if quick else (1024, 2048, 4096, 8192)
     if torch.device(device).type != "cpu":
         sizes = (2048, 4096, 8192)
-    gflops = max(matmul_gflops(n, device) for n in sizes)
-    gbps = copy_gbps(256 * 2**20 if not quick else 64 * 2**20, device)
-    return {"matmul_gflops": gflops, "copy_gbps": gbps}
+    return {"matmul_gflops": max(matmul_gflops(n, device) for n in sizes),
+            "copy_gbps": copy_gbps(256 * 2**20 if not quick else 64 * 2**20, device)}
 
 
 def fraction_of_peak(achieved_gflops: float, peak_gflops: float) -> float:

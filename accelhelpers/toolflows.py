@@ -1,10 +1,6 @@
 """Deployment toolflows beyond ONNX Runtime: torchao, OpenVINO + NNCF, LiteRT (full-integer int8), and the
-quantization-aware FPGA flow Brevitas -> QONNX -> hls4ml.
-
-Every tool is imported only when a function needs it; a missing one raises `deploy.ToolMissing` with the exact
-install line (`deploy.have` / `deploy.require` know every tool). LiteRT's converter (litert-torch) cannot share the
-course's pinned environment: it lives in `.venv-edge` (`make venv-edge`), and `litert_convert_int8` runs it there
-in a subprocess.
+quantization-aware FPGA flow Brevitas -> QONNX -> hls4ml. Tools are imported when needed (`deploy.require`);
+LiteRT's converter cannot share the course's pinned environment and runs in `.venv-edge` (`make venv-edge`).
 """
 
 from __future__ import annotations
