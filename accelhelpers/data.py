@@ -75,10 +75,9 @@ def mnist1d(device: torch.device | str = "cpu", seed: int = 42) -> Split:
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         atomic_write_bytes(path, buf.getvalue())  # atomic (it makes the folder): never a half-written cache
-    split = Split(torch.tensor(arrays["x"], dtype=torch.float32), torch.tensor(arrays["y"], dtype=torch.long),
-                  torch.tensor(arrays["x_test"], dtype=torch.float32),
-                  torch.tensor(arrays["y_test"], dtype=torch.long))
-    return split.to(device)
+    return Split(torch.tensor(arrays["x"], dtype=torch.float32), torch.tensor(arrays["y"], dtype=torch.long),
+                 torch.tensor(arrays["x_test"], dtype=torch.float32),
+                 torch.tensor(arrays["y_test"], dtype=torch.long)).to(device)
 
 
 def digits(device: torch.device | str = "cpu", test_size: float = 0.2, seed: int = 0,

@@ -28,9 +28,7 @@ def mlp(sizes: list[int]) -> nn.Sequential:
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(nn.ReLU())
-    model = nn.Sequential(*layers)
-    model.apply(he_init)
-    return model
+    return nn.Sequential(*layers).apply(he_init)
 
 
 def udl_sizes(depth: int, n_in: int = 40, n_out: int = 10) -> list[int]:
@@ -65,24 +63,20 @@ def count_params(model: nn.Module) -> int:
 def cnn1d(n_classes: int = 10, channels: int = 32, length: int = 40) -> nn.Sequential:
     """A small 1-D CNN for MNIST-1D; input [batch, length] (its first layer adds the channel axis)."""
     _check_positive(n_classes=n_classes, channels=channels, length=length)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Unflatten(1, (1, length)),
         nn.Conv1d(1, channels, 5, padding=2), nn.ReLU(),
         nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
         nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
         nn.Flatten(), nn.Linear(channels * ((length + 3) // 4), n_classes),
-    )
-    model.apply(he_init)
-    return model
+    ).apply(he_init)
 
 
 def cnn2d(n_classes: int = 10, channels: int = 16) -> nn.Sequential:
     """A small 2-D CNN for 8x8 `digits` images (input [batch, 1, 8, 8])."""
     _check_positive(n_classes=n_classes, channels=channels)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),
         nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * channels, n_classes),
-    )
-    model.apply(he_init)
-    return model
+    ).apply(he_init)

@@ -27,10 +27,7 @@ def repo_root(start: Path | None = None) -> Path | None:
 def build_dir() -> Path:
     """Where runs write their outputs: ACCEL_BUILD, else build/ in the checkout, else ./build."""
     env = os.environ.get("ACCEL_BUILD")
-    if env:
-        return Path(env)
-    root = repo_root()
-    return (root or Path.cwd()) / "build"
+    return Path(env) if env else (repo_root() or Path.cwd()) / "build"
 
 
 def results_dir() -> Path:
@@ -110,8 +107,7 @@ def record(name: str, value: Any, unit: str = "", note: str = "", spread: tuple[
     if spread is not None and not (len(spread) == 2 and spread[0] <= spread[1]):
         raise ValueError(f"spread must be (lowest, highest), got {spread!r}")
     path = results_dir() / f"{current_chapter()}.json"
-    entries = load_chapter(path)
-    entries = [e for e in entries if e["name"] != name]
+    entries = [e for e in load_chapter(path) if e["name"] != name]
     entry = {"name": name, "value": _jsonable(value), "unit": unit, "note": note, "time": time.time()}
     if spread is not None:
         entry["spread"] = [_jsonable(spread[0]), _jsonable(spread[1])]

@@ -87,8 +87,7 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
     else:
         dev = best_device(device)
     prof = choose_profile(profile, dev.type)
-    report = hardware_report()
-    report["profile"] = prof
+    report = {**hardware_report(), "profile": prof}
     if verbose:
         print(format_report(report))
         if note:
