@@ -57,8 +57,7 @@ def saved_bytes(fn: Callable[[], Any], exclude: Iterable[torch.Tensor] = ()) -> 
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
+        fn()  # its output (and the graph) is dropped at once
     return sum(seen.values())
 
 

@@ -620,16 +620,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-patch", action="store_true")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.name == "equivalence":
-        equivalence(a.out, a.steps, a.batch)
-    elif a.name == "ddp_train":
-        ddp_train(a.out, a.epochs, a.batch, a.width, a.steps, a.lr, a.bench_batches)
-    elif a.name == "fastai_train":
-        fastai_train(a.out, a.epochs, a.batch, a.lr, not a.no_patch)
-    elif a.name == "accelerate_launchers":
-        accelerate_launchers(a.out, a.nproc)
-    else:
-        techniques(a.out, a.steps, a.rounds, a.width)
+    {"equivalence": lambda: equivalence(a.out, a.steps, a.batch),
+     "ddp_train": lambda: ddp_train(a.out, a.epochs, a.batch, a.width, a.steps, a.lr, a.bench_batches),
+     "fastai_train": lambda: fastai_train(a.out, a.epochs, a.batch, a.lr, not a.no_patch),
+     "accelerate_launchers": lambda: accelerate_launchers(a.out, a.nproc),
+     "techniques": lambda: techniques(a.out, a.steps, a.rounds, a.width)}[a.name]()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -82,8 +83,7 @@ def representable(dtype: torch.dtype) -> torch.Tensor:
     ints = torch.arange(2**bits, dtype=torch.int32)
     pattern = ints.to(torch.uint8) if bits == 8 else ints.to(torch.int16)
     vals = pattern.view(dtype).double()
-    vals = vals[torch.isfinite(vals) & (vals >= 0)]
-    return torch.unique(vals)
+    return torch.unique(vals[torch.isfinite(vals) & (vals >= 0)])
 
 
 def cast_report(values: torch.Tensor, dtype: torch.dtype = torch.float16, scale: float = 1.0) -> dict[str, float]:
@@ -292,15 +292,14 @@ def matmul_precision(n: int = 1024, device: torch.device | str = "cpu",
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch 2.9 warns that the getter's old API will change
         old = torch.get_float32_matmul_precision()
-    def under(setting: str) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            torch.set_float32_matmul_precision(setting)
-            return a @ b
-        return run
+
+    def run(setting: str) -> torch.Tensor:
+        torch.set_float32_matmul_precision(setting)
+        return a @ b
 
     try:
-        err = {s: (under(s)().double() - ref).abs().max().item() / ref.abs().max().item() for s in settings}
-        t = interleaved({s: under(s) for s in settings}, device, rounds=3, min_time=min_time)
+        err = {s: (run(s).double() - ref).abs().max().item() / ref.abs().max().item() for s in settings}
+        t = interleaved({s: partial(run, s) for s in settings}, device, rounds=3, min_time=min_time)
     finally:
         torch.set_float32_matmul_precision(old)
     return [{"setting": s, "gflops": 2 * n**3 / t[s].best / 1e9, "rel_error": err[s]} for s in settings]

@@ -212,11 +212,10 @@ def copy_gbps(n_bytes: int, device: torch.device | str = "cpu", min_time: float 
     """Measured GB/s of copying an `n_bytes` fp32 buffer (a read and a write per byte counted)."""
     if n_bytes <= 0:
         raise ValueError(f"n_bytes must be positive, got {n_bytes}")
-    n = max(1, n_bytes // 4)
-    src = torch.randn(n, device=device)
+    src = torch.randn(max(1, n_bytes // 4), device=device)
     dst = torch.empty_like(src)
     t = benchmark(lambda: dst.copy_(src), device, min_time=min_time, repeats=repeats)
-    return 2 * 4 * n / t.best / 1e9
+    return 2 * 4 * src.numel() / t.best / 1e9
 
 
 def measure_peaks(device: torch.device | str = "cpu", quick: bool = True) -> dict[str, float]:
