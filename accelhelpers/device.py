@@ -125,9 +125,8 @@ def sync(device: torch.device | str) -> None:
 
 
 def choose_profile(asked: str | None = None, device_kind: str | None = None) -> str:
-    """The run profile: `asked` (a notebook's PROFILE parameter) if given, else ACCEL_PROFILE if set, else
-    'full' on an accelerator and 'quick' on the CPU (`device_kind`: the device the chapter runs on; None: the
-    best one here)."""
+    """The run profile: `asked` (a notebook's PROFILE) if given, else ACCEL_PROFILE if set, else 'quick' when
+    `device_kind` (None: the best device here) is the CPU and 'full' on an accelerator."""
     value, origin = (asked, "PROFILE") if asked is not None else (os.environ.get("ACCEL_PROFILE", ""), "ACCEL_PROFILE")
     value = str(value).strip().lower()
     if value:

@@ -88,9 +88,8 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 60.0) -> tuple[in
 
 
 def finish_distributed() -> None:
-    """Leave the process group together: a barrier first, so that no rank tears down its connections while a
-    peer is still working (with gloo that can abort the peer at exit), then destroy the group. Only for runs
-    whose ranks are all alive: a barrier with a dead peer waits for the collective timeout."""
+    """Leave the process group together: a barrier (no rank tears down connections a peer still uses: with gloo
+    that can abort the peer), then destroy the group. Every rank must be alive, or the barrier waits it out."""
     if _distributed():
         dist.barrier()
         dist.destroy_process_group()

@@ -318,9 +318,8 @@ def one_cycle_on_step(opt: torch.optim.Optimizer, n_steps: int, lr_max: float,
 
 
 def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, **fit_kw: Any) -> FitHistory:
-    """Fit a fastai Learner (plain `fit`, or `fit_one_cycle` with `lr` as lr_max) and return it as a
-    `train.FitHistory`: the first metric and the validation loss per epoch, cumulative training-phase seconds
-    (validation excluded)."""
+    """Fit a fastai Learner (`fit`, or `fit_one_cycle` with `lr` as lr_max) into a `train.FitHistory`: first metric
+    and validation loss per epoch, cumulative training seconds (validation excluded)."""
     if not learn.metrics:
         raise ValueError("fastai_history reads the first metric: build the Learner with metrics=accuracy")
     fastai_patches()

@@ -101,9 +101,8 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
 
 
 def fit_budget(units: int, seconds_per_unit: float, what: str, limit_s: float | None = None) -> int:
-    """How many of `units` (epochs, steps, runs) fit in the time budget, announced: prints the projected time
-    from a measured `seconds_per_unit` and scales down, saying so, where the whole would exceed `limit_s`
-    (default: ACCEL_BUDGET_S, else 600 s). A long job never starts without its length shown first."""
+    """How many of `units` (epochs, steps, runs) at a measured `seconds_per_unit` fit in `limit_s` (default:
+    ACCEL_BUDGET_S, else 600 s); prints the projected time, and says so when it scales down."""
     if units < 1 or not seconds_per_unit > 0:
         raise ValueError(f"need units >= 1 and seconds_per_unit > 0, got {units} and {seconds_per_unit}")
     limit = float(limit_s if limit_s is not None else os.environ.get("ACCEL_BUDGET_S", 600))
