@@ -489,9 +489,11 @@ def readme_tables(root: Path | None = None) -> str:
     benches = sorted(root.glob("bench_fullbatch_*.json"), key=lambda p: json.loads(p.read_text())["created"])
     if benches:
         parts.append(_bench_table(benches[-1]))
-    full = sorted(root.glob("udlbook-20.2_*/udlbook-20.2.json"), key=lambda p: json.loads(p.read_text())["created"])
+    from .reproduce import EXPERIMENT, recorded
+
+    full = recorded(root.parent)
     if full:
-        parts.append(_udlbook_table(full[-1]))
+        parts.append(_udlbook_table(full[1] / f"{EXPERIMENT}.json"))
     for pattern, what in (("course_*", "The whole course, `make course`"),
                           ("device-check_*", "The device check, `make device-check`")):
         runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()),

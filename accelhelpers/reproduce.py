@@ -329,9 +329,9 @@ def recorded(root: Path | None = None) -> tuple[dict[str, Any], Path] | None:
     from .results import repo_root
 
     root = root or repo_root()
-    runs = sorted(root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json"), key=lambda p: p.parent.name[-10:]) \
-        if root else []
-    return (load_result(runs[-1]), runs[-1].parent) if runs else None
+    runs = sorted(((load_result(p), p.parent) for p in root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json")),
+                  key=lambda run: run[0]["created"]) if root else []
+    return runs[-1] if runs else None
 
 
 def train_errors(folder: str | Path) -> dict[int, np.ndarray]:

@@ -166,10 +166,14 @@ def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight
     import shutil
 
     assert reproduce.recorded(tmp_path) is None
-    for date in ("2026-01-02", "2026-11-30"):
-        shutil.copytree(straight[0], tmp_path / "results" / f"udlbook-20.2_cpu-test_{date}")
+    # newest by the time the run finished, whatever the folder names (a second run of a day has the time appended)
+    for name, created in (("2026-11-30-2249", "2026-11-30T23:45:00"), ("2026-11-30", "2026-11-30T17:40:02"),
+                          ("2026-01-02", "2026-01-02T10:00:00")):
+        folder = shutil.copytree(straight[0], tmp_path / "results" / f"udlbook-20.2_cpu-test_{name}")
+        result = json.loads((folder / "udlbook-20.2.json").read_text())
+        (folder / "udlbook-20.2.json").write_text(json.dumps({**result, "created": created}))
     result, folder = reproduce.recorded(tmp_path)
-    assert folder.name.endswith("2026-11-30") and result["schema"] == reproduce.SCHEMA
+    assert folder.name.endswith("2026-11-30-2249") and result["schema"] == reproduce.SCHEMA
     errs = reproduce.train_errors(folder)
     for d in result["depths"]:
         e = errs[d["depth"]]
