@@ -32,7 +32,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ import torch
 from . import train
 from .course import CommandError
 from .data import Split, mnist1d
-from .device import as_device, best_device, hardware_report, sync
+from .device import best_device, hardware_report, sync
 from .models import udl_mlp, udl_sizes
 from .results import atomic_write_text
 from .timing import interleaved, mlp_flops
@@ -61,25 +61,6 @@ class Variant:
     description: str
     n_models: int
     make: Callable[[], Callable[[int], object]]
-
-
-@dataclass
-class Row:
-    """One measured row of the benchmark table (rates are medians over the rounds, with their range)."""
-
-    name: str
-    description: str
-    n_models: int
-    steps_per_s: float
-    steps_per_s_range: tuple[float, float]
-    model_steps_per_s: float
-    gflops: float
-    fraction_of_peak: float
-    speedup_vs_naive: float
-    speedup_range: tuple[float, float]
-    original_experiment_h: float
-    warmup_s: float
-    timed_steps: int
 
 
 def _fastai_runner(data: Split) -> Callable[[int], object]:
@@ -144,35 +125,23 @@ def prepare(variant: Variant, device: torch.device, steps: int | None, round_s: 
     return partial(run, steps), warm, steps
 
 
-def _peak_matmul(device: torch.device) -> tuple[Callable[[], object], int]:
-    """One fp32 n x n matmul (1024 on a CPU, 8192 on an accelerator) and its FLOPs: the peak, timed in the rounds."""
-    n = 1024 if device.type == "cpu" else 8192
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    out = torch.empty(n, n, device=device)
-    return (lambda: torch.mm(a, b, out=out)), 2 * n**3
-
-
 PEAK = "peak matmul"  # the peak's key among the interleaved functions (never a variant's name)
 
 
 def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = True,
                   data: Split | None = None, peak_gflops: float | None = None, seconds: float | None = None,
-                  rounds: int = 5, progress: bool = True, round_s: float | None = None,
-                  device: torch.device | str | None = None) -> dict[str, Any]:
+                  rounds: int = 5, progress: bool = True, round_s: float | None = None) -> dict[str, Any]:
     """Measure every variant in one process, `rounds` interleaved rounds (ah.timing.interleaved) of `round_s`
-    seconds each (default 1 s; or `seconds` per variant in all), on `data`'s device (else `device`, else the best
-    one), and return the JSON-ready result (see the module docstring)."""
-    if steps is not None and steps < 1:
-        raise CommandError(f"--steps must be at least 1, got {steps}")
-    if n_models < 1:
-        raise CommandError(f"--models must be at least 1, got {n_models}")
-    if rounds < 1:
-        raise CommandError(f"--rounds must be at least 1, got {rounds}")
+    seconds each (default 1 s; or `seconds` per variant in all), on `data`'s device (else the best one), and
+    return the JSON-ready result (see the module docstring)."""
+    for flag, value in (("--steps", 1 if steps is None else steps), ("--models", n_models), ("--rounds", rounds)):
+        if value < 1:
+            raise CommandError(f"{flag} must be at least 1, got {value}")
     if round_s is not None and not round_s > 0:
         raise CommandError(f"--round-s must be positive, got {round_s}")
     round_s = round_s or (seconds / rounds if seconds else 1.0)
-    dev = data.device if data is not None else as_device(device) if device is not None else best_device()
-    data = data if data is not None else mnist1d(dev)
+    data = data if data is not None else mnist1d(best_device())
+    dev = data.device
     flops = mlp_flops(udl_sizes(DEPTH), len(data.x_train))
     from tqdm.auto import tqdm
 
@@ -181,8 +150,10 @@ def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = T
     prepared = {v.name: prepare(v, dev, steps, round_s) for v in tqdm(vs, desc="bench: warm-up", unit="variant",
                                                                        disable=not progress)}
     fns = {name: fn for name, (fn, _, _) in prepared.items()}
-    if not peak_gflops:
-        fns[PEAK], peak_flops = _peak_matmul(dev)
+    if not peak_gflops:  # one fp32 n x n matmul (1024 on a CPU, 8192 on an accelerator), timed in the rounds
+        n = 1024 if dev.type == "cpu" else 8192
+        a, b, mm = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev), torch.empty(n, n, device=dev)
+        fns[PEAK], peak_flops = (lambda: torch.mm(a, b, out=mm)), 2 * n**3
     # Rounds interleave the variants (and the peak), so a burst of load elsewhere hits all of them alike.
     timings = interleaved(fns, dev, rounds=rounds, min_time=0.0 if steps else round_s)
     peak = peak_gflops or peak_flops / timings[PEAK].best / 1e9
@@ -194,19 +165,21 @@ def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = T
             "load": {"before": load_before, "after": _load()}, "rounds": rounds, "round_s": round_s,
             "workload": {"model": "udlbook MLP 4x63", "sizes": udl_sizes(DEPTH), "batch": len(data.x_train),
                          "lr": LR, "train_flops_per_model_step": flops},
-            "peak_gflops": peak, "variants": [asdict(r) for r in rows]}
+            "peak_gflops": peak, "variants": rows}
 
 
 def _row(v: Variant, warm: float, timed_steps: int, rates: list[float], naive: list[float], flops: int,
-         peak: float) -> Row:
+         peak: float) -> dict[str, Any]:
     """One row from its per-round rates: medians, ranges, and ratios to the naive row's rate of the same round."""
     sps = statistics.median(rates)
     ratios = [r * v.n_models / b for r, b in zip(rates, naive)]
     msps = sps * v.n_models
     gf = msps * flops / 1e9
-    return Row(v.name, v.description, v.n_models, sps, (min(rates), max(rates)), msps, gf, gf / peak,
-               statistics.median(ratios), (min(ratios), max(ratios)), ORIGINAL_MODEL_EPOCHS / msps / 3600, warm,
-               timed_steps)
+    return {"name": v.name, "description": v.description, "n_models": v.n_models, "steps_per_s": sps,
+            "steps_per_s_range": (min(rates), max(rates)), "model_steps_per_s": msps, "gflops": gf,
+            "fraction_of_peak": gf / peak, "speedup_vs_naive": statistics.median(ratios),
+            "speedup_range": (min(ratios), max(ratios)), "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600,
+            "warmup_s": warm, "timed_steps": timed_steps}
 
 
 def _load() -> float | None:

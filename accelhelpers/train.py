@@ -32,10 +32,6 @@ class History:
     test_err: np.ndarray
     loss: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
-    def final(self) -> tuple[float, float]:
-        """Last epoch's (train, test) error in %, averaged over models."""
-        return float(np.mean(self.train_err[..., -1])), float(np.mean(self.test_err[..., -1]))
-
 
 def _check(data: Split, epochs: int, lr: float) -> None:
     """Refuse arguments that would make a run meaningless."""
@@ -109,8 +105,6 @@ def pad_mlp(model: nn.Sequential, multiple: int = 16) -> nn.Sequential:
     """A copy of a ReLU MLP whose hidden widths are rounded up to a multiple of `multiple` (the vector width:
     16 fp32 lanes in AVX-512) with zero weights and biases. The extra units output relu(0) = 0 and receive zero
     gradients, so they stay zero and the padded model computes and learns exactly what the original does."""
-    if multiple < 1:
-        raise ValueError(f"multiple must be at least 1, got {multiple}")
     linears = _mlp_linears(model, "pad_mlp")
     sizes = [linears[0].in_features] + [-(-lin.out_features // multiple) * multiple for lin in linears[:-1]]
     sizes.append(linears[-1].out_features)
@@ -166,21 +160,12 @@ class FullBatchLoop:
     def run(self, epochs: int, progress: str | bool = False) -> History:
         """Train for `epochs` full-batch steps and return the per-epoch errors (`progress`: a bar, or its label)."""
         _check(self.data, epochs, 1.0)
-        dev = self.data.device
-        metrics = torch.zeros(3, epochs, device=dev)
-        host = np.zeros((3, epochs))
-        for epoch in _progress(range(epochs), progress, unit="epoch"):
-            if self.loader is not None:
-                x, y = next(iter(self.loader))
-            else:
-                x, y = self.data.x_train, self.data.y_train
+        rows = []  # per epoch, (loss, train error, test error): floats with host_sync, else device tensors
+        for _ in _progress(range(epochs), progress, unit="epoch"):
+            x, y = next(iter(self.loader)) if self.loader is not None else (self.data.x_train, self.data.y_train)
             loss, tr, te = self.step(x, y)
-            if self.host_sync:
-                host[:, epoch] = (loss.item(), tr.item(), te.item())
-            else:
-                metrics[0, epoch], metrics[1, epoch], metrics[2, epoch] = loss, tr, te
-        if not self.host_sync:
-            host = metrics.cpu().numpy()  # the one read of the whole run
+            rows.append([loss.item(), tr.item(), te.item()] if self.host_sync else torch.stack([loss, tr, te]))
+        host = np.array(rows).T if self.host_sync else torch.stack(rows, -1).cpu().numpy()  # one read of the run
         return History(host[1], host[2], host[0])
 
 
@@ -245,7 +230,12 @@ class FullGraphLoop(FullBatchLoop):
         # Detached views share the parameters' storage: updating them in place trains `model` itself.
         self.params = [t.detach() for lin in linears for t in (lin.weight, lin.bias)]
         self._step = lambda x, y: _fullgraph_step(lr, self.params, x, y, data.x_test, data.y_test)
-        wrap = _compiler(data.device, self.params) if compile else (lambda f: f)
+        wrap = lambda f: f  # noqa: E731
+        if compile:  # fullgraph=True; with CUDA graphs the weights keep their addresses, so mark them static
+            quiet_dynamo_logs()
+            for p in self.params if data.device.type == "cuda" else []:
+                mark_static_address(p)
+            wrap = partial(torch.compile, fullgraph=True, **compile_options(data.device))
         if test_every == 1:
             compiled = wrap(partial(_fullgraph_step, lr))
             self.step = lambda x, y: compiled(self.params, x, y, data.x_test, data.y_test)
@@ -267,15 +257,6 @@ class FullGraphLoop(FullBatchLoop):
             rows.append(torch.stack([loss, tr, self.test_error() if (epoch + 1) % self.test_every == 0 else nan]))
         host = torch.stack(rows, 1).cpu().numpy()
         return History(host[1], host[2], host[0])
-
-
-def _compiler(device: torch.device, params: list[torch.Tensor]):
-    """torch.compile(fullgraph=True) for the fast path's functions: CUDA graphs on a GPU (weights marked static)."""
-    quiet_dynamo_logs()
-    if device.type == "cuda":  # CUDA graphs; the weights keep their addresses, so mark them static
-        for p in params:
-            mark_static_address(p)
-    return lambda f: torch.compile(f, fullgraph=True, **compile_options(device))
 
 
 def compile_options(device: torch.device) -> dict[str, Any]:
@@ -344,18 +325,6 @@ class ManyMLP(nn.Module):
             h = torch.baddbmm(b, torch.relu(h), w)
         return h
 
-    def model(self, i: int) -> nn.Sequential:
-        """Model `i` as an ordinary nn.Sequential (weights copied out)."""
-        sizes = [self.weights[0].shape[1]] + [w.shape[2] for w in self.weights]
-        layers: list[nn.Module] = []
-        for j, (w, b) in enumerate(zip(self.weights, self.biases)):
-            lin = nn.Linear(sizes[j], sizes[j + 1])
-            with torch.no_grad():
-                lin.weight.copy_(w[i].T)
-                lin.bias.copy_(b[i, 0])
-            layers += [lin] + ([nn.ReLU()] if j < len(self.weights) - 1 else [])
-        return nn.Sequential(*layers)
-
 
 class ManyModelsLoop(FullBatchLoop):
     """Full-batch SGD of K models at once (a ManyMLP): each model's loss is its own mean cross-entropy, so
@@ -373,17 +342,6 @@ class ManyModelsLoop(FullBatchLoop):
         losses = F.cross_entropy(logits.reshape(k * b, c), y.repeat(k), reduction="none").view(k, b).mean(1)
         test_err = self._update(losses.sum())  # the models share no weights: one backward serves all K
         return losses.detach(), error_percent(logits.detach(), y), test_err
-
-    def run(self, epochs: int, progress: str | bool = False) -> History:
-        """Train all K models for `epochs` steps; histories have shape [K, epochs]."""
-        _check(self.data, epochs, 1.0)
-        k = self.many.k
-        metrics = torch.zeros(3, k, epochs, device=self.data.device)
-        for epoch in _progress(range(epochs), progress, unit="epoch"):
-            loss, tr, te = self.step(self.data.x_train, self.data.y_train)
-            metrics[0, :, epoch], metrics[1, :, epoch], metrics[2, :, epoch] = loss, tr, te
-        host = metrics.cpu().numpy()
-        return History(host[1], host[2], host[0])
 
 
 def fastai_learner(model: nn.Module, data: Split, lr: float = 0.0025):
@@ -429,17 +387,6 @@ class FitHistory:
         return None, None
 
 
-def _evaluate(model: nn.Module, split: Split, policy: Any, hist: FitHistory) -> None:
-    """Append the test accuracy and loss (under the policy's autocast) to `hist`."""
-    with torch.no_grad(), (policy.autocast() if policy is not None else nullcontext()):
-        was = model.training
-        model.eval()
-        logits = model(split.x_test).float()
-        model.train(was)
-    hist.acc.append(accuracy(logits, split.y_test))
-    hist.loss.append(F.cross_entropy(logits, split.y_test).item())
-
-
 def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, epochs: int,
         bs: int = 64, *, seed: int = 0, policy: Any = None, on_step: Callable[[int], None] | None = None,
         scheduler: Any = None, drop_last: bool = False, evaluate: bool = True,
@@ -471,23 +418,26 @@ def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt:
         sync(x.device)
         elapsed += time.perf_counter() - t0
         hist.seconds.append(elapsed)
-        if evaluate and isinstance(split, Split):
-            _evaluate(model, split, policy, hist)
+        if evaluate and isinstance(split, Split):  # test accuracy and loss, under the policy's autocast
+            model.eval()
+            with torch.no_grad(), (policy.autocast() if policy is not None else nullcontext()):
+                logits = model(split.x_test).float()
+            model.train()
+            hist.acc.append(accuracy(logits, split.y_test))
+            hist.loss.append(F.cross_entropy(logits, split.y_test).item())
     return hist
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
           scaler: Any) -> None:
     """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss)."""
-    if policy is None:
+    with policy.autocast() if policy is not None else nullcontext():  # the policy's low-precision forward pass
         loss = F.cross_entropy(model(xb), yb)
-        opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)
+    if policy is None:
         loss.backward()
         opt.step()
         return
-    with policy.autocast():            # the forward pass in the policy's low-precision dtype
-        loss = F.cross_entropy(model(xb), yb)
-    opt.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()      # fp16: scale the loss so small gradients do not flush to zero
     scaler.step(opt)                   # unscale; skip the step if a gradient overflowed
     scaler.update()                    # grow or shrink the scale for the next step

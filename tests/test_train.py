@@ -103,7 +103,6 @@ def test_many_mlp_matches_vmap_over_the_individual_models(data):
     ref = vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers,
                                                                                            data.x_test)
     torch.testing.assert_close(many(data.x_test), ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(many.model(3)(data.x_test), models[3](data.x_test))
 
 
 def test_many_models_train_exactly_as_each_alone(data):
@@ -146,8 +145,6 @@ def test_padding_to_the_vector_width_changes_nothing_but_speed(data):
     np.testing.assert_allclose(b.loss, a.loss, rtol=1e-5, atol=1e-6)
     first = p[0]
     assert torch.all(first.weight[63:] == 0) and torch.all(first.bias[63:] == 0)  # padded units stayed zero
-    with pytest.raises(ValueError, match="multiple"):
-        train.pad_mlp(m, 0)
     with pytest.raises(ValueError, match="Sequential of Linear"):
         train.pad_mlp(torch.nn.Sequential(torch.nn.ReLU()))
 
@@ -188,9 +185,12 @@ def test_bench_rows_are_medians_and_ratios_are_per_round():
 
     v = bench.Variant("x", "d", 2, lambda: None)
     row = bench._row(v, 0.0, 10, [10.0, 30.0, 20.0], [5.0, 10.0, 20.0], flops=1_000_000_000, peak=100.0)
-    assert row.steps_per_s == 20.0 and row.steps_per_s_range == (10.0, 30.0)
-    assert row.model_steps_per_s == 40.0 and row.gflops == 40.0 and row.fraction_of_peak == 0.4
-    assert row.speedup_vs_naive == 4.0 and row.speedup_range == (2.0, 6.0)  # ratios 4, 6, 2 round by round
+    assert row["steps_per_s"] == 20.0 and row["steps_per_s_range"] == (10.0, 30.0)
+    assert row["model_steps_per_s"] == 40.0 and row["gflops"] == 40.0 and row["fraction_of_peak"] == 0.4
+    assert row["speedup_vs_naive"] == 4.0 and row["speedup_range"] == (2.0, 6.0)  # ratios 4, 6, 2 round by round
+    assert list(row) == ["name", "description", "n_models", "steps_per_s", "steps_per_s_range", "model_steps_per_s",
+                         "gflops", "fraction_of_peak", "speedup_vs_naive", "speedup_range", "original_experiment_h",
+                         "warmup_s", "timed_steps"]  # the JSON schema's keys, in order
 
 
 def _manual_fit(model, data, opt, epochs, bs, seed):
