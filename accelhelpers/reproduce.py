@@ -139,13 +139,12 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
         return None
     st = checkpoint.read_checkpoint(path)
     saved = st["extra"]["settings"]
-    mine = {"epochs": settings.epochs(depth), "test_every": settings.test_every, "compile": settings.compile,
-            "threads": settings.threads, "device": _device_type()}
-    for key, value in mine.items():
+    mine = {"epochs": (settings.epochs(depth), "--epochs-scale"), "test_every": (settings.test_every, "--test-every"),
+            "compile": (settings.compile, "--no-compile"), "threads": (settings.threads, "--threads"),
+            "device": (_device().type, "a machine with the same kind of device")}
+    for key, (value, flag) in mine.items():
         was = saved.get(key, "cpu")
         if was != value:
-            flag = {"epochs": "--epochs-scale", "test_every": "--test-every", "compile": "--no-compile",
-                    "threads": "--threads", "device": "a machine with the same kind of device"}[key]
             raise CommandError(f"depth {depth} in {out} was started with {key}={was}, not {value}: resume "
                              f"with the same {flag} (another value changes the arithmetic and so the result)")
     return st
@@ -214,11 +213,6 @@ def model_for(depth: int) -> torch.nn.Sequential:
 def _device() -> torch.device:
     """Where the fast path trains: a CUDA GPU if there is one (CUDA graphs), else the CPU (inductor's C++)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _device_type() -> str:
-    """The kind of device this process trains on ('cuda' or 'cpu')."""
-    return _device().type
 
 
 def _grid(epochs: int, points: int = GRID_POINTS) -> np.ndarray:
