@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from . import __version__
 from .device import PROFILES, format_report, hardware_report
@@ -87,13 +88,7 @@ def check_args(profile: str, only: str | list[str] | None, out: Path) -> dict[st
         raise CourseError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)}")
     if out.exists() and not out.is_dir():
         raise CourseError(f"--out {out} is a file, not a folder: give a folder (it is created if missing)")
-    _check_out(out)
-    return _select(only, chapters())
-
-
-def _check_out(out: Path) -> None:
-    """Refuse an output folder that would write over the course's sources (the checkout, its code, notebooks)."""
-    target = out.resolve()
+    target = out.resolve()  # never into the course's sources or its recorded runs
     root = repo_root(Path(__file__).parent)
     protected = [root / name for name in ("accelhelpers", "notebooks", "tests", ".ci", ".git")] if root else []
     recorded = [root / name for name in RECORDED] if root else []
@@ -105,6 +100,7 @@ def _check_out(out: Path) -> None:
             or (target / "notebooks").resolve() == notebooks_dir().resolve():
         raise CourseError(f"--out {out} would write over the course's sources: use build/ (the default) or a "
                           "folder outside accelhelpers/, notebooks/ and tests/")
+    return _select(only, chapters())
 
 
 def _kernel_config() -> Any:
@@ -130,23 +126,16 @@ def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
     for old in (results / "figures").glob(f"{key}_*.png"):
         old.unlink()
     env = {"ACCEL_PROFILE": profile, "ACCEL_RESULTS_DIR": str(results), "ACCEL_BUILD": str(out)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     t0 = time.perf_counter()
     status: dict[str, Any] = {"chapter": key, "notebook": nb.name, "ok": True, "error": None}
     try:
-        pm.execute_notebook(str(nb), str(out / "notebooks" / nb.name), cwd=str(nb.parent),
-                            parameters={"PROFILE": profile}, progress_bar=False, log_output=False,
-                            kernel_name="python3", config=_kernel_config())
+        with mock.patch.dict(os.environ, env):  # the kernel inherits them; restored afterwards
+            pm.execute_notebook(str(nb), str(out / "notebooks" / nb.name), cwd=str(nb.parent),
+                                parameters={"PROFILE": profile}, progress_bar=False, log_output=False,
+                                kernel_name="python3", config=_kernel_config())
     except Exception as e:  # a failing chapter is reported, the others still run
         status["ok"] = False
         status["error"] = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     status["seconds"] = round(time.perf_counter() - t0, 1)
     return status
 
@@ -402,18 +391,13 @@ def device_check(out: Path | None = None, record: bool = False, only: str | None
 
 def results_root() -> Path:
     """results/ in the checkout: recorded runs, each under its hardware and date."""
-    return (repo_root() or repo_root(Path(__file__).parent) or Path.cwd()) / "results"
+    return default_out().parent / "results"
 
 
 # --- the README's results tables, written from results/ (never typed) ---------------------------------------------
 
 README_BEGIN = "<!-- results:begin (written by `python -m accelhelpers course readme`; do not edit by hand) -->"
 README_END = "<!-- results:end -->"
-
-
-def _ratio(value: float, rng: list[float] | None) -> str:
-    """'12.8×' or '12.8× (9.7–16.6)'."""
-    return f"{value:.3g}×" + (f" ({rng[0]:.3g}–{rng[1]:.3g})" if rng else "")
 
 
 def _bench_table(path: Path) -> list[str]:
@@ -429,17 +413,13 @@ def _bench_table(path: Path) -> list[str]:
              f"| loop | model-steps/s | GFLOP/s | of measured fp32 peak ({peak:.1f} GFLOP/s) | vs naive | "
              "udlbook's 1.1 M model-epochs |", "|---|---|---|---|---|---|"]
     for v in d["variants"]:
-        sps = v["model_steps_per_s"]
-        sps_range = v.get("steps_per_s_range")
-        scale = v["n_models"]
-        sps_text = f"{sps:.1f}" + (f" ({sps_range[0] * scale:.1f}–{sps_range[1] * scale:.1f})" if sps_range else "")
-        hours = v["original_experiment_h"]
-        lines.append(f"| {v['name']}: {v['description']} | {sps_text} | {v['gflops']:.1f} | "
-                     f"{v['fraction_of_peak'] * 100:.1f} % | {_ratio(v['speedup_vs_naive'], v.get('speedup_range'))} "
-                     f"| {hours:.1f} h |" if hours >= 1 else
-                     f"| {v['name']}: {v['description']} | {sps_text} | {v['gflops']:.1f} | "
-                     f"{v['fraction_of_peak'] * 100:.1f} % | {_ratio(v['speedup_vs_naive'], v.get('speedup_range'))} "
-                     f"| {hours * 60:.0f} min |")
+        rng, ratio_rng, scale, hours = v.get("steps_per_s_range"), v.get("speedup_range"), v["n_models"], \
+            v["original_experiment_h"]
+        lines.append(f"| {v['name']}: {v['description']} | {v['model_steps_per_s']:.1f}"
+                     + (f" ({rng[0] * scale:.1f}–{rng[1] * scale:.1f})" if rng else "")
+                     + f" | {v['gflops']:.1f} | {v['fraction_of_peak'] * 100:.1f} % | {v['speedup_vs_naive']:.3g}×"
+                     + (f" ({ratio_rng[0]:.3g}–{ratio_rng[1]:.3g})" if ratio_rng else "")
+                     + (f" | {hours:.1f} h |" if hours >= 1 else f" | {hours * 60:.0f} min |"))
     return lines
 
 
