@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -148,11 +150,24 @@ def run(profile: str = "quick", only: str | list[str] | None = None, out: Path |
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     from tqdm.auto import tqdm
 
-    statuses = []
-    bar = tqdm(selected.items(), desc="course", unit="chapter", disable=not progress)
-    for key, nb in bar:
-        bar.set_postfix_str(nb.stem)
-        statuses.append(_run_one(key, nb, out, profile))
+    statuses, interrupted = [], threading.Event()
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:  # remembered: a library may turn the KeyboardInterrupt into
+        interrupted.set()                             # an ordinary error, which would read as a failed chapter
+        signal.default_int_handler(signum, frame)
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, on_ctrl_c) if main else None
+    try:
+        bar = tqdm(selected.items(), desc="course", unit="chapter", disable=not progress)
+        for key, nb in bar:
+            bar.set_postfix_str(nb.stem)
+            statuses.append(_run_one(key, nb, out, profile))
+            if interrupted.is_set():  # Ctrl-C during the chapter: stop here, write nothing
+                raise KeyboardInterrupt
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, before)
     previous = _load_run(out).get("chapters", {}) if (out / "run.json").exists() else {}
     previous.update({s["chapter"]: s for s in statuses})
     atomic_write_text(out / "run.json", json.dumps(

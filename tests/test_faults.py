@@ -351,9 +351,31 @@ def test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole(tmp_
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "interrupted: run.json and the report were left as they were" in err
+    assert proc.returncode == 130 and "interrupted: run.json and the report were left as they were" in err, err[-3000:]
     assert {p: p.read_bytes() for p in before} == before  # the last complete run's report, untouched
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_ctrl_c_that_a_library_turns_into_an_error_still_stops_the_course_run(tmp_path, monkeypatch):
+    import papermill
+
+    def interrupted_execute(*args, **kwargs):  # nbclient/jupyter_client may re-raise Ctrl-C as another error
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise RuntimeError("Kernel died before replying") from None
+
+    nbs, out = tmp_path / "notebooks", tmp_path / "out"
+    nbs.mkdir()
+    _toy_notebook(nbs / "00_a.ipynb", "pass")
+    _toy_notebook(nbs / "01_b.ipynb", "pass")
+    monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
+    monkeypatch.setattr(papermill, "execute_notebook", interrupted_execute)
+    with pytest.raises(KeyboardInterrupt):
+        course.run("quick", None, out, progress=False)
+    assert not (out / "run.json").exists()  # the interrupted run wrote nothing; chapter 01 never started
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C handling given back
 
 
 # --- property-based tests over the main entry points ---------------------------------------------------------------
