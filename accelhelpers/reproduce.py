@@ -318,13 +318,18 @@ def load_result(path: str | Path) -> dict[str, Any]:
     return result
 
 
-def recorded(root: Path | None = None) -> tuple[dict[str, Any], Path] | None:
-    """The newest committed full run, results/udlbook-20.2_<hardware>_<date>/ in the checkout (None if absent)."""
+def recorded_runs(root: Path | None = None) -> list[tuple[dict[str, Any], Path]]:
+    """Every committed full run, results/udlbook-20.2_<hardware>_<date>/ in the checkout, oldest finished first."""
     from .results import repo_root
 
     root = root or repo_root()
-    runs = sorted(((load_result(p), p.parent) for p in root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json")),
+    return sorted(((load_result(p), p.parent) for p in root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json")),
                   key=lambda run: run[0]["created"]) if root else []
+
+
+def recorded(root: Path | None = None) -> tuple[dict[str, Any], Path] | None:
+    """The newest committed full run (None if absent)."""
+    runs = recorded_runs(root)
     return runs[-1] if runs else None
 
 

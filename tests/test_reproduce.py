@@ -174,6 +174,8 @@ def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight
         (folder / "udlbook-20.2.json").write_text(json.dumps({**result, "created": created}))
     result, folder = reproduce.recorded(tmp_path)
     assert folder.name.endswith("2026-11-30-2249") and result["schema"] == reproduce.SCHEMA
+    assert [f.name for _, f in reproduce.recorded_runs(tmp_path)] == [  # oldest finished first
+        f"udlbook-20.2_cpu-test_{n}" for n in ("2026-01-02", "2026-11-30", "2026-11-30-2249")]
     errs = reproduce.train_errors(folder)
     for d in result["depths"]:
         e = errs[d["depth"]]
