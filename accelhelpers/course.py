@@ -12,7 +12,7 @@ from typing import Any
 from unittest import mock
 
 from . import __version__
-from .device import PROFILES, format_report, hardware_report
+from .device import PROFILES, format_report, hardware_report, machine_line
 from .results import atomic_write_text, load_results, repo_root
 
 # The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
@@ -287,14 +287,6 @@ def missing_headlines(out: Path | None = None) -> list[str]:
     return missing
 
 
-def _machine(hw: dict[str, Any]) -> str:
-    """One line naming the hardware the numbers were measured on."""
-    parts = [f"{hw.get('gpu')} ({hw.get('gpu_memory_gb')} GiB)" if hw.get("gpu") else None,
-             f"{hw.get('cpu', 'CPU')}, {hw.get('cpu_cores', '?')} cores",
-             f"torch {hw.get('torch', '?')}", f"best device: {hw.get('best_device', '?')}"]
-    return " · ".join(p for p in parts if p)
-
-
 def report(out: Path | None = None) -> tuple[Path, Path]:
     """Write report.md and report.html in `out` from run.json, the recorded results and the figures."""
     out = Path(out) if out else default_out()
@@ -305,7 +297,7 @@ def report(out: Path | None = None) -> tuple[Path, Path]:
     chs = run_info["chapters"]
     total = sum(st["seconds"] for st in chs.values())
     failed = [k for k, st in chs.items() if not st["ok"]]
-    md = [f"# accel-course report\n\n{_machine(hw)}\n\nProfile **{run_info['profile']}**, finished "
+    md = [f"# accel-course report\n\n{machine_line(hw)}\n\nProfile **{run_info['profile']}**, finished "
           f"{run_info['finished']}: {len(chs) - len(failed)} of {len(chs)} chapters ran, in {total:.0f} s.\n"]
     if failed:
         md.append("**Failed:** " + ", ".join(f"{k} ({TITLES.get(k, chs[k]['notebook'])})" for k in failed) + "\n")
@@ -348,7 +340,7 @@ def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
     env = jinja2.Environment(loader=jinja2.PackageLoader("accelhelpers", "templates"), autoescape=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     return env.get_template("report.html.j2").render(
-        machine=_machine(hw), profile=run_info["profile"], finished=run_info["finished"], chapters=chapters,
+        machine=machine_line(hw), profile=run_info["profile"], finished=run_info["finished"], chapters=chapters,
         n_ok=sum(c["ok"] for c in chapters), failed=[c for c in chapters if not c["ok"]],
         total_s=sum(c["seconds"] for c in chapters), noisy=list(noisy_chapters(results).items()),
         headlines=headlines(results), hardware=format_report(hw))
@@ -422,7 +414,7 @@ def _bench_table(path: Path) -> list[str]:
     hw, peak = d["hardware"], d["peak_gflops"]
     rounds = f"medians of {d['rounds']} interleaved rounds, ranges lowest–highest round" if d.get("rounds") else \
         "one figure a row (an older run: no ranges)"
-    lines = [f"**Chapter 02, `python -m accelhelpers bench fullbatch`**, {d['created'][:10]}, {_machine(hw)}; "
+    lines = [f"**Chapter 02, `python -m accelhelpers bench fullbatch`**, {d['created'][:10]}, {machine_line(hw)}; "
              f"{d['workload']['model']}, full batch {d['workload']['batch']}; all rows in one process, {rounds}; "
              f"JSON: [`{path.relative_to(path.parents[1])}`]({path.relative_to(path.parents[1])})\n",
              f"| loop | model-steps/s | GFLOP/s | of measured fp32 peak ({peak:.1f} GFLOP/s) | vs naive | "
@@ -444,7 +436,7 @@ def _udlbook_table(path: Path) -> list[str]:
     st = d["settings"]
     rel = path.relative_to(path.parents[2])
     lines = [f"**udlbook's experiment in full, `python -m accelhelpers reproduce udlbook-20.2`**, started "
-             f"{d['started'].replace('T', ' ')}, {_machine(d['hardware'])}; {st['jobs']} process(es), "
+             f"{d['started'].replace('T', ' ')}, {machine_line(d['hardware'])}; {st['jobs']} process(es), "
              f"{st['threads'] or 'default'} thread(s) each; wall time **{d['wall_s'] / 60:.0f} min** (interruptions "
              f"included); training error every epoch, test error every {st['test_every']} epochs; JSON: "
              f"[`{rel}`]({rel}), figure: [`{rel.with_suffix('.png')}`]({rel.with_suffix('.png')})\n",
@@ -468,7 +460,7 @@ def _run_table(folder: Path, what: str) -> list[str]:
     chs = run_info["chapters"]
     total = sum(st["seconds"] for st in chs.values())
     lines = [f"**{what}** ({run_info['profile']} profile, finished {run_info['finished']}, "
-             f"{_machine(run_info.get('hardware') or {})}; {total:.0f} s for {len(chs)} chapters; recorded in "
+             f"{machine_line(run_info.get('hardware') or {})}; {total:.0f} s for {len(chs)} chapters; recorded in "
              f"[`{folder.relative_to(folder.parents[1])}/`]({folder.relative_to(folder.parents[1])}/)):\n",
              "| chapter | seconds | headline results |", "|---|---|---|"]
     for key, st in chs.items():

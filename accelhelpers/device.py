@@ -192,3 +192,11 @@ def format_report(report: dict[str, Any] | None = None) -> str:
             v = " ".join(map(str, v)) or "-"
         lines.append(f"{k:<{width}} : {v}")
     return "\n".join(lines)
+
+
+def machine_line(hw: dict[str, Any]) -> str:
+    """One line naming the hardware a recorded result was measured on (its GPU, CPU, cores, torch, best device)."""
+    parts = [f"{hw.get('gpu')} ({hw.get('gpu_memory_gb')} GiB)" if hw.get("gpu") else None,
+             f"{hw.get('cpu', 'CPU')}, {hw.get('cpu_cores', '?')} cores",
+             f"torch {hw.get('torch', '?')}", f"best device: {hw.get('best_device', '?')}"]
+    return " · ".join(p for p in parts if p)

@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, metrics, train
+from . import checkpoint, faults, metrics, train
 from .course import CommandError
 from .data import Split, mnist1d
-from .device import hardware_report
+from .device import hardware_report, machine_line
 from .models import count_params, udl_mlp, udl_sizes
 from .results import atomic_write_bytes, atomic_write_text
 
@@ -87,20 +87,6 @@ def _paths(out: Path) -> dict[str, Path]:
 def _ckpt(out: Path, depth: int) -> Path:
     """The checkpoint file of one depth."""
     return out / f"ckpt_depth{depth}.pt"
-
-
-class _Stop:
-    """SIGINT/SIGTERM set a flag that the loop reads between chunks, so it saves a consistent checkpoint."""
-
-    requested = False
-
-    @classmethod
-    def install(cls) -> None:
-        """Route Ctrl-C and kill (TERM) to the flag (main thread only)."""
-        def handler(signum: int, frame: Any) -> None:
-            cls.requested = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, handler)
 
 
 def _lock(out: Path, depth: int) -> Path:
@@ -150,9 +136,10 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
     return st
 
 
-def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any = None,
-                checkpoint_s: float = CHECKPOINT_S) -> dict[str, Any]:
-    """Train (or resume) one depth to its full length, checkpointing every `checkpoint_s`; returns its state."""
+def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: faults.Preemption, bar: Any,
+                checkpoint_s: float) -> dict[str, Any]:
+    """Train (or resume) one depth to its full length, checkpointing every `checkpoint_s` and when `stop` is
+    requested (then KeyboardInterrupt); returns its state."""
     epochs, k = settings.epochs(depth), settings.test_every
     model = model_for(depth).to(data.device)
     wrong = torch.zeros(epochs, dtype=torch.int32)
@@ -164,8 +151,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
         ex = st["extra"]
         start, wrong, test_err = st["step"], ex["wrong"], ex["test_err"]
         spent, sessions, started = ex["train_s"], ex["sessions"], ex["started"]
-    if bar is not None:
-        bar.update(start)
+    bar.update(start)
     if start >= epochs:
         return st
     loop = train.FullGraphLoop(model, data, LR, test_every=max(k, 2), compile=settings.compile)
@@ -188,17 +174,16 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, bar: Any
         wrong[e:end] = torch.round(torch.stack(errs) * (n / 100)).to(torch.int32).cpu()
         if end % k == 0:
             test_err[end // k - 1] = loop.test_error().cpu()
-        if bar is not None:
-            bar.update(end - e)
+        bar.update(end - e)
         e = end
         now = time.perf_counter()
         if now - last_note > 5:
             atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": e, "epochs": epochs}))
             last_note = now
-        if e < epochs and (_Stop.requested or now - last_save > checkpoint_s):
+        if e < epochs and (stop.requested or now - last_save > checkpoint_s):
             save(e)
             last_save = now
-            if _Stop.requested:
+            if stop.requested:
                 raise KeyboardInterrupt
     final = save(epochs)
     atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": epochs, "epochs": epochs}))
@@ -291,18 +276,13 @@ def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, set
     atomic_write_bytes(paths["npz"], buf.getvalue())
     ax = figure(result)
     ax.set_title(f"udlbook fig. 20.2 reproduced: full-batch SGD on MNIST-1D\n"
-                 f"{_machine(hw)}, {result['created'][:10]}, wall time {result['wall_s'] / 60:.0f} min", fontsize=9)
+                 f"{machine_line(hw)}, {result['created'][:10]}, wall time {result['wall_s'] / 60:.0f} min", fontsize=9)
     buf = io.BytesIO()
     ax.figure.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(ax.figure)
     atomic_write_bytes(paths["png"], buf.getvalue())
     atomic_write_text(paths["json"], json.dumps(result, indent=1))
     return result
-
-
-def _machine(hw: dict[str, Any]) -> str:
-    """A short description of where it ran."""
-    return f"{hw.get('cpu') or 'CPU'}, {hw.get('cpu_cores', os.cpu_count())} cores, torch {torch.__version__}"
 
 
 def load_result(path: str | Path) -> dict[str, Any]:
@@ -344,7 +324,7 @@ def train_errors(folder: str | Path) -> dict[int, np.ndarray]:
 def describe(result: dict[str, Any]) -> str:
     """Where and how a run ran, in one line: hardware, date, processes and threads, wall time."""
     s = result["settings"]
-    return (f"{_machine(result['hardware'])}, {result['created'][:10]}, {s['jobs']} process(es) x "
+    return (f"{machine_line(result['hardware'])}, {result['created'][:10]}, {s['jobs']} process(es) x "
             f"{s['threads'] or 'default'} thread(s), wall time {result['wall_s'] / 60:.0f} min")
 
 
@@ -372,7 +352,8 @@ class WorkerFailed(RuntimeError):
     """A worker process of `--jobs N` exited with an error (printed above by the worker itself)."""
 
 
-def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, checkpoint_s: float) -> None:
+def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, checkpoint_s: float,
+              stop: faults.Preemption) -> None:
     """Train the depths in `jobs` worker processes (one thread each) and show one progress bar for all."""
     env = dict(os.environ, TQDM_DISABLE="1", OMP_NUM_THREADS=str(settings.threads or 1))
     procs = [subprocess.Popen(_worker_cmd(out, g, settings, checkpoint_s), env=env)
@@ -382,7 +363,7 @@ def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, check
         while any(p.poll() is None for p in procs):
             time.sleep(2)
             bar.update(max(0, sum(_progress_of(out, d) for d in depths) - bar.n))
-            if _Stop.requested:  # a kill or Ctrl-C reached this process: make sure the workers heard it too
+            if stop.requested:  # a kill or Ctrl-C reached this process: make sure the workers heard it too
                 for p in procs:
                     if p.poll() is None:
                         p.send_signal(signal.SIGINT)
@@ -413,11 +394,12 @@ def run(out: Path, resume: bool = False, settings: Settings | None = None, depth
     out.mkdir(parents=True, exist_ok=True)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    _Stop.install()
-    if jobs > 1:
-        _run_jobs(out, depths, settings, jobs, checkpoint_s)
-    else:
-        _train_here(out, depths, settings, checkpoint_s)
+    # Ctrl-C and kill (TERM) set a flag that training reads between chunks, so it saves a consistent checkpoint
+    with faults.Preemption((signal.SIGINT, signal.SIGTERM)) as stop:
+        if jobs > 1:
+            _run_jobs(out, depths, settings, jobs, checkpoint_s, stop)
+        else:
+            _train_here(out, depths, settings, checkpoint_s, stop)
     if worker:
         return None
     data = mnist1d("cpu")
@@ -430,14 +412,15 @@ def run(out: Path, resume: bool = False, settings: Settings | None = None, depth
     return write_outputs(out, states, data, settings, jobs)
 
 
-def _train_here(out: Path, depths: list[int], settings: Settings, checkpoint_s: float) -> None:
+def _train_here(out: Path, depths: list[int], settings: Settings, checkpoint_s: float,
+                stop: faults.Preemption) -> None:
     """Train `depths` one after another in this process, with one progress bar and ETA for all of them."""
     data = mnist1d(_device())
     locks = [_lock(out, d) for d in depths]
     bar = _bar(sum(settings.epochs(d) for d in depths), f"{EXPERIMENT} depths {','.join(map(str, depths))}")
     try:
         for d in depths:
-            train_depth(d, out, data, settings, bar, checkpoint_s)
+            train_depth(d, out, data, settings, stop, bar, checkpoint_s)
     finally:
         bar.close()
         for lock in locks:

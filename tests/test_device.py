@@ -61,6 +61,14 @@ def test_hardware_report_has_the_facts():
     assert "torch" in text and "best_device" in text
 
 
+def test_machine_line_names_the_recorded_hardware_in_one_line():
+    cpu = {"cpu": "AMD EPYC", "cpu_cores": 2, "torch": "2.9.0", "best_device": "cpu", "gpu": None}
+    assert ah.device.machine_line(cpu) == "AMD EPYC, 2 cores · torch 2.9.0 · best device: cpu"
+    gpu = ah.device.machine_line({**cpu, "gpu": "NVIDIA H200", "gpu_memory_gb": 139.8, "best_device": "cuda"})
+    assert gpu.startswith("NVIDIA H200 (139.8 GiB) · AMD EPYC") and "\n" not in gpu
+    assert ah.device.machine_line({}) == "CPU, ? cores · torch ? · best device: ?"  # an older record, keys missing
+
+
 def test_sync_returns_on_cpu_and_refuses_a_non_device():
     assert ah.device.sync("cpu") is None and ah.device.sync(torch.device("cpu")) is None
     with pytest.raises(ah.device.DeviceUnavailable, match="is not a device: choose one of cuda, xla, mps, cpu"):

@@ -182,3 +182,18 @@ def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight
         assert len(e) == d["epochs"] and e[-1] == pytest.approx(d["final_train_err"])
         assert [round(float(e[i - 1]), 3) for i in d["curve"]["epochs"]] == d["curve"]["train_err"]
     assert "wall time" in reproduce.describe(result) and "1 process(es) x 1 thread(s)" in reproduce.describe(result)
+
+
+def test_an_in_process_run_gives_ctrl_c_and_kill_back(tmp_path):
+    # A run in a notebook's kernel or a test process must not keep its handlers: afterwards Ctrl-C interrupts again.
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    settings = reproduce.Settings(epochs_scale=0.00005, test_every=5, threads=None, compile=False)
+    assert reproduce.run(tmp_path / "run", settings=settings, depths=[2]) is None  # depths 1, 3, 4 left untrained
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert checkpoint.read_checkpoint(tmp_path / "run" / "ckpt_depth2.pt")["step"] == 10
+
+
+def test_describe_names_the_torch_the_run_used_not_this_one(straight):
+    result = reproduce.load_result(straight[0])
+    result["hardware"] = {**result["hardware"], "torch": "1.0-test"}
+    assert "torch 1.0-test" in reproduce.describe(result) and torch.__version__ not in reproduce.describe(result)
