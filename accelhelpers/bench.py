@@ -28,7 +28,6 @@ JSON schema ("accel-course/bench-fullbatch/2"):
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from .data import Split, mnist1d
 from .device import best_device, hardware_report, sync
 from .models import udl_mlp, udl_sizes
 from .results import atomic_write_text
-from .timing import interleaved, mlp_flops
+from .timing import hours, interleaved, load_average, mlp_flops
 
 SCHEMA = "accel-course/bench-fullbatch/2"
 ORIGINAL_MODEL_EPOCHS = 3 * 200_000 + 500_000  # udlbook: depths 2-4 for 200k epochs, depth 1 for 500k
@@ -145,7 +144,7 @@ def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = T
     flops = mlp_flops(udl_sizes(DEPTH), len(data.x_train))
     from tqdm.auto import tqdm
 
-    load_before = _load()
+    load_before = load_average()
     vs = variants(data, n_models, compile)
     prepared = {v.name: prepare(v, dev, steps, round_s) for v in tqdm(vs, desc="bench: warm-up", unit="variant",
                                                                        disable=not progress)}
@@ -162,7 +161,7 @@ def run_fullbatch(steps: int | None = None, n_models: int = 8, compile: bool = T
     rows = [_row(v, prepared[v.name][1], prepared[v.name][2] * timings[v.name].calls_per_repeat * rounds,
                  rates[v.name], naive, flops, peak) for v in vs]
     return {"schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "hardware": hardware_report(),
-            "load": {"before": load_before, "after": _load()}, "rounds": rounds, "round_s": round_s,
+            "load": {"before": load_before, "after": load_average()}, "rounds": rounds, "round_s": round_s,
             "workload": {"model": "udlbook MLP 4x63", "sizes": udl_sizes(DEPTH), "batch": len(data.x_train),
                          "lr": LR, "train_flops_per_model_step": flops},
             "peak_gflops": peak, "variants": rows}
@@ -180,14 +179,6 @@ def _row(v: Variant, warm: float, timed_steps: int, rates: list[float], naive: l
             "fraction_of_peak": gf / peak, "speedup_vs_naive": statistics.median(ratios),
             "speedup_range": (min(ratios), max(ratios)), "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600,
             "warmup_s": warm, "timed_steps": timed_steps}
-
-
-def _load() -> float | None:
-    """The 1-minute load average (None where the OS has none)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def table(result: dict[str, Any]) -> str:
@@ -208,11 +199,6 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"peak (measured fp32 matmul): {result['peak_gflops']:.1f} GFLOP/s; training FLOPs per model "
                  f"step: {result['workload']['train_flops_per_model_step'] / 1e6:.1f} M")
     return "\n".join(lines)
-
-
-def hours(h: float) -> str:
-    """A duration in hours as a short human string: '40 min', '3.2 h', '5.1 days'."""
-    return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days"
 
 
 def main(args: Any) -> int:

@@ -161,14 +161,16 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return state
 
 
+def _files(folder: Path) -> list[Path]:
+    """The checkpoint files in `folder` (not the temporaries of a save in progress; none if it is no folder)."""
+    return [p for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".") and p.is_file()] \
+        if folder.is_dir() else []
+
+
 def latest_good_checkpoint(folder: str | Path, exclude: Iterable[str | Path] = ()) -> Path | None:
     """The newest checkpoint file in `folder` that loads and verifies (None if there is none): what to resume."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return None
     skip = {Path(p).resolve() for p in exclude}
-    files = [p for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".")
-             and p.is_file() and p.resolve() not in skip]
+    files = [p for p in _files(Path(folder)) if p.resolve() not in skip]
     for p in sorted(files, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True):
         try:
             read_checkpoint(p)
@@ -192,8 +194,7 @@ def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.devi
     except CheckpointError as e:
         error, folder = e, path.parent
         if missing:  # one line naming the checkpoints that are there
-            names = sorted(p.name for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".")
-                           and p.is_file()) if folder.is_dir() else []
+            names = sorted(p.name for p in _files(folder))
             error = CheckpointError(f"{e}; checkpoints in {folder}: {', '.join(names)} (pass one of them, or "
                                     "fallback='always' to load the newest good one)" if names else
                                     f"{e}; no checkpoint in {folder} yet")

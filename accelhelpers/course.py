@@ -13,7 +13,8 @@ from unittest import mock
 
 from . import __version__
 from .device import PROFILES, format_report, hardware_report, machine_line
-from .results import atomic_write_text, load_results, repo_root
+from .results import atomic_write_text, load_results, read_json, repo_root
+from .timing import hours
 
 # The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
 REPO_URL = "https://github.com/accel-course/accel-course"
@@ -181,10 +182,7 @@ def _load_run(out: Path) -> dict[str, Any]:
     path = out / "run.json"
     if not path.exists():
         raise CourseError(f"no course run found in {out}: run `python -m accelhelpers course run` first")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CourseError(f"{path} is not valid JSON ({e}): run `python -m accelhelpers course run` again") from e
+    return read_json(path, "run `python -m accelhelpers course run` again", CourseError)
 
 
 def _results(folder: Path) -> dict[str, list[dict[str, Any]]]:
@@ -420,13 +418,12 @@ def _bench_table(path: Path) -> list[str]:
              f"| loop | model-steps/s | GFLOP/s | of measured fp32 peak ({peak:.1f} GFLOP/s) | vs naive | "
              "udlbook's 1.1 M model-epochs |", "|---|---|---|---|---|---|"]
     for v in d["variants"]:
-        rng, ratio_rng, scale, hours = v.get("steps_per_s_range"), v.get("speedup_range"), v["n_models"], \
-            v["original_experiment_h"]
+        rng, ratio_rng, scale = v.get("steps_per_s_range"), v.get("speedup_range"), v["n_models"]
         lines.append(f"| {v['name']}: {v['description']} | {v['model_steps_per_s']:.1f}"
                      + (f" ({rng[0] * scale:.1f}–{rng[1] * scale:.1f})" if rng else "")
                      + f" | {v['gflops']:.1f} | {v['fraction_of_peak'] * 100:.1f} % | {v['speedup_vs_naive']:.3g}×"
                      + (f" ({ratio_rng[0]:.3g}–{ratio_rng[1]:.3g})" if ratio_rng else "")
-                     + (f" | {hours:.1f} h |" if hours >= 1 else f" | {hours * 60:.0f} min |"))
+                     + f" | {hours(v['original_experiment_h'])} |")
     return lines
 
 

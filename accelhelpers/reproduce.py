@@ -48,7 +48,7 @@ from .course import CommandError
 from .data import Split, mnist1d
 from .device import hardware_report, machine_line
 from .models import count_params, udl_mlp, udl_sizes
-from .results import atomic_write_bytes, atomic_write_text
+from .results import atomic_write_bytes, atomic_write_text, read_json
 
 EXPERIMENT = "udlbook-20.2"
 SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
@@ -292,7 +292,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
         path = _paths(path)["json"]
     if not path.exists():
         raise CommandError(f"no {EXPERIMENT} result at {path}: run `python -m accelhelpers reproduce {EXPERIMENT}`")
-    result = json.loads(path.read_text())
+    result = read_json(path, f"run `python -m accelhelpers reproduce {EXPERIMENT}` into a new --out", CommandError)
     if result.get("schema") != SCHEMA:
         raise CommandError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
     return result

@@ -117,14 +117,17 @@ def record(name: str, value: Any, unit: str = "", note: str = "", spread: tuple[
     return value
 
 
-def load_chapter(path: Path) -> list[dict[str, Any]]:
-    """The entries recorded in one chapter's results file (empty if there is none)."""
-    if not path.exists():
-        return []
+def read_json(path: Path, fix: str, error: type[ValueError] = ValueError) -> Any:
+    """A JSON file's contents; one that is not JSON raises `error` naming the file and `fix`, what to do."""
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"results file {path} is not valid JSON ({e}); delete it and re-run the chapter") from e
+        raise error(f"{path} is not valid JSON ({e}): {fix}") from e
+
+
+def load_chapter(path: Path) -> list[dict[str, Any]]:
+    """The entries recorded in one chapter's results file (empty if there is none)."""
+    return read_json(path, "delete it and re-run the chapter") if path.exists() else []
 
 
 def load_results(folder: Path | None = None) -> dict[str, list[dict[str, Any]]]:

@@ -151,10 +151,10 @@ def _reference_kernel() -> float:
 def noise_watch() -> Iterator[Noise]:
     """Measure the machine's noise around a block of measurements: `with ah.timing.noise_watch() as noise: ...`,
     then `noise.verdict()` (the reference kernel and load average are read before and after the block)."""
-    load0, ref0 = _load(), _reference_kernel()
+    load0, ref0 = load_average() or 0.0, _reference_kernel()
     noise = Noise((load0, load0), (ref0, ref0), os.cpu_count() or 1)
     yield noise
-    noise.load, noise.reference_s = (load0, _load()), (ref0, _reference_kernel())
+    noise.load, noise.reference_s = (load0, load_average() or 0.0), (ref0, _reference_kernel())
 
 
 def record_noise(*noises: Noise) -> Noise:
@@ -169,12 +169,17 @@ def record_noise(*noises: Noise) -> Noise:
     return worst
 
 
-def _load() -> float:
-    """One-minute load average (0 where the OS has none)."""
+def load_average() -> float | None:
+    """The 1-minute load average, to 2 decimals (None where the OS has none)."""
     try:
-        return os.getloadavg()[0]
+        return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
-        return 0.0
+        return None
+
+
+def hours(h: float) -> str:
+    """A duration in hours as a short human string: '40 min', '3.2 h', '5.1 days'."""
+    return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days"
 
 
 def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:

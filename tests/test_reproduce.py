@@ -160,6 +160,9 @@ def test_load_result_says_what_to_run(tmp_path):
     (tmp_path / "udlbook-20.2.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="not a udlbook-20.2 result"):
         reproduce.load_result(tmp_path)
+    (tmp_path / "udlbook-20.2.json").write_text('{"schema": ')  # cut short: one line for the CLI, no traceback
+    with pytest.raises(reproduce.CommandError, match="udlbook-20.2.json is not valid JSON .*reproduce udlbook-20.2"):
+        reproduce.load_result(tmp_path)
 
 
 def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight, tmp_path):

@@ -41,8 +41,19 @@ def test_corrupt_results_file_is_named(tmp_path):
     results.set_chapter("97")
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "97.json").write_text("{")
-    with pytest.raises(ValueError, match="97.json is not valid JSON"):
+    with pytest.raises(ValueError, match="97.json is not valid JSON .*: delete it and re-run the chapter"):
         ah.results.record("x", 1)
+
+
+def test_read_json_names_the_file_and_the_fix_in_the_callers_error(tmp_path):
+    class BadInput(ValueError):
+        pass
+
+    (tmp_path / "ok.json").write_text('{"a": [1, 2]}')
+    assert results.read_json(tmp_path / "ok.json", "unused") == {"a": [1, 2]}
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(BadInput, match=r"bad.json is not valid JSON \(.*\): run it again$"):
+        results.read_json(tmp_path / "bad.json", "run it again", BadInput)
 
 
 def test_save_figure(tmp_path):

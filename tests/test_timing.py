@@ -104,6 +104,18 @@ def test_noise_watch_reads_load_and_the_reference_kernel():
     assert "50% drift" in drifting.verdict()
 
 
+def test_load_average_and_hours_read_as_a_learner_reads_them(monkeypatch):
+    import os
+
+    from accelhelpers.timing import hours, load_average
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.23456, 0.0, 0.0))
+    assert load_average() == 1.23
+    monkeypatch.delattr(os, "getloadavg")  # Windows has none
+    assert load_average() is None
+    assert [hours(h) for h in (0.5, 3.21, 74.4)] == ["30 min", "3.2 h", "3.1 days"]
+
+
 def test_record_keeps_the_range(tmp_path, monkeypatch):
     import json
 
