@@ -248,18 +248,14 @@ def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
     the scaler skipped the step (inf/NaN gradients: the scale is halved) and the loss."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    kind = x.device.type
+    from .train import _step
+    policy = Policy(x.device.type, torch.float16, True, "scaler_trace")
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    scaler = torch.amp.GradScaler(kind, init_scale=init_scale, growth_interval=growth_interval)
+    scaler = policy.grad_scaler(init_scale=init_scale, growth_interval=growth_interval)
     trace = []
     for step in range(steps):
-        with torch.autocast(kind, dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
         before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
+        loss = _step(model, opt, x, y, policy, scaler)
         trace.append({"step": step, "scale": before, "skipped": scaler.get_scale() < before, "loss": loss.item()})
     return trace
 

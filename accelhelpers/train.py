@@ -429,15 +429,17 @@ def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt:
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
-          scaler: Any) -> None:
-    """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss)."""
+          scaler: Any) -> torch.Tensor:
+    """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss).
+    Returns the loss."""
     with policy.autocast() if policy is not None else nullcontext():  # the policy's low-precision forward pass
         loss = F.cross_entropy(model(xb), yb)
     opt.zero_grad(set_to_none=True)
     if policy is None:
         loss.backward()
         opt.step()
-        return
+        return loss
     scaler.scale(loss).backward()      # fp16: scale the loss so small gradients do not flush to zero
     scaler.step(opt)                   # unscale; skip the step if a gradient overflowed
     scaler.update()                    # grow or shrink the scale for the next step
+    return loss
