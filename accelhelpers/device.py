@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import platform
@@ -33,6 +34,14 @@ def xla_installed() -> bool:
         return importlib.util.find_spec("torch_xla") is not None
     except (ImportError, ValueError):
         return False
+
+
+def xla_version() -> str | None:
+    """torch_xla's version from its package metadata (without importing it), or None where it has none."""
+    try:
+        return importlib.metadata.version("torch_xla")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # torch_xla finds TPU chips on the PCI bus: Google's vendor id and one device id per TPU generation
@@ -161,13 +170,10 @@ def hardware_report() -> dict[str, Any]:
         "cuda_build": torch.version.cuda, "platform": f"{platform.system()} {platform.machine()}",
         "cpu": model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
-        "torch_xla": None, "colab": in_colab(), "kaggle": "KAGGLE_KERNEL_RUN_TYPE" in os.environ,
+        "torch_xla": xla_version(), "colab": in_colab(), "kaggle": "KAGGLE_KERNEL_RUN_TYPE" in os.environ,
         "devices": available_devices(),
     }
     if xla_installed():
-        from importlib.metadata import version
-
-        report["torch_xla"] = version("torch_xla")
         report["tpu_chips"] = tpu_chips()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

@@ -13,14 +13,13 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import internals, launch
-from .device import tpu_present, xla_installed
+from .device import tpu_present, xla_installed, xla_version
 
 INSTALL_FIX = "pip install torch=={v} 'torch_xla[tpu]=={v}'"
 # torch_xla's newest release (each one is built against exactly the torch release of the same number).
@@ -48,11 +47,7 @@ def version_fix(torch_version: str, xla_version: str | None, on_tpu: bool | None
 
 def installed_versions() -> tuple[str, str | None]:
     """(torch version, torch_xla version or None), read from package metadata without importing torch_xla."""
-    try:
-        xla_v: str | None = version("torch_xla")
-    except PackageNotFoundError:
-        xla_v = None
-    return torch.__version__, xla_v
+    return torch.__version__, xla_version()
 
 
 def choose_pjrt_device() -> str:

@@ -51,6 +51,25 @@ def test_bogus_profile_is_a_clear_error(monkeypatch):
     assert ah.device.hardware_report()["profile"].startswith("invalid")
 
 
+def test_xla_version_is_none_without_package_metadata(monkeypatch):
+    """A torch_xla module that find_spec finds but that has no package metadata (a source checkout on the path)
+    made hardware_report, and so session.setup, raise PackageNotFoundError."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "torch_xla":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(ah.device, "xla_installed", lambda: True)
+    monkeypatch.setattr(ah.device, "tpu_chips", lambda: 0)
+    assert ah.device.hardware_report()["torch_xla"] is None
+    assert ah.device.xla_version() is None
+
+
 def test_hardware_report_has_the_facts():
     r = ah.device.hardware_report()
     for key in ("torch", "cpu", "cpu_cores", "cpu_isa", "devices", "best_device", "torch_xla", "colab"):
