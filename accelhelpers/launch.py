@@ -67,6 +67,13 @@ def start(cmd: list[str], env: dict[str, str | None] | None = None) -> subproces
                             env={k: v for k, v in merged.items() if v is not None}, start_new_session=True)
 
 
+def kill(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s whole process group (torchrun's ranks included) and reap it; a group already gone is fine."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | None) -> tuple[list[str], str]:
     """Lines until the output ends ('eof'), a line holds `stop_on` ('marker') or the deadline passes ('deadline')."""
     lines: queue.Queue = queue.Queue()
@@ -107,10 +114,8 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
             proc.wait(timeout=max(t0 + timeout_s - time.monotonic(), 0.01))
         except subprocess.TimeoutExpired:  # closed its output but kept running
             why = "deadline"
-    if why != "eof":  # SIGKILL the whole process group (torchrun's ranks included) and reap it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    if why != "eof":
+        kill(proc)
     run = Run(proc.returncode if why == "eof" else None, "".join(out), time.monotonic() - t0)
     if why == "deadline" and not stop_ok:
         name = " ".join(map(str, proc.args[1:6])) if isinstance(proc.args, list) else str(proc.args)

@@ -173,8 +173,7 @@ def wait_for(proc: subprocess.Popen, text: str, timeout: float = 180) -> None:
 
     threading.Thread(target=read, daemon=True).start()
     if not done.wait(timeout):
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        launch.kill(proc)
         raise TimeoutError(f"worker {' '.join(map(str, proc.args[3:6]))} printed no {text} within {timeout} s and "
                            "was killed")
     if not found:

@@ -59,6 +59,14 @@ def test_stop_on_a_marker_kills_the_child_and_its_children():
     assert time.monotonic() - t0 < 15
 
 
+def test_kill_ends_the_group_and_takes_a_process_already_gone():
+    proc = launch.start([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"])
+    assert proc.stdout.readline() == "up\n"
+    launch.kill(proc)
+    assert proc.returncode == -9
+    launch.kill(proc)  # reaped and its group gone: no ProcessLookupError
+
+
 def test_free_port_is_bindable():
     with socket.socket() as s:
         s.bind(("127.0.0.1", launch.free_port()))

@@ -13,7 +13,7 @@ import torch
 
 import accelhelpers as ah
 from accelhelpers import checkpoint as ck
-from accelhelpers import faults, longrun
+from accelhelpers import faults, launch, longrun
 
 
 @pytest.fixture(autouse=True)
@@ -169,6 +169,14 @@ def test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
+def test_wait_for_times_out_when_the_group_has_gone_before_the_kill():
+    code = "import subprocess; subprocess.Popen(['sleep', '3'], start_new_session=True)"  # keeps the output open
+    proc = launch.start([sys.executable, "-c", code])
+    proc.wait()  # exited and reaped: killing its group finds nobody
+    with pytest.raises(TimeoutError, match="printed no NEVER within 1 s and was killed"):
+        longrun.wait_for(proc, "NEVER", timeout=1)
+
+
 def test_a_real_cpu_oom_under_a_memory_limit_is_backed_off_both_ways(tmp_path):
     code, out = longrun.finish(longrun.start("oom", tmp_path, "--budget-mb", 128, "--start-batch", 65536), 300)
     assert code == 0, out[-2000:]
@@ -193,8 +201,7 @@ def torchrun_jobs(tmp_path_factory):
     yield d, jobs
     for proc in jobs.values():
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            launch.kill(proc)
 
 
 def test_a_nan_on_one_rank_stops_both_when_agreed_and_strands_the_other_when_local(torchrun_jobs):
