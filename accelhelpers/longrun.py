@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import checkpoint, faults, launch
+from . import checkpoint, faults, launch, results
 from .session import seed_everything
 
 LEAVE_OUT = ("optimizer", "scheduler", "python", "numpy", "torch", "loader")
@@ -214,8 +214,8 @@ def work_train(out: Path, steps: int, every: int, die_at: int | None, preemptibl
         if requested:
             save(run, checkpoint.checkpoint_path(folder, run.step))
             saved_s = time.monotonic() - preempt.at
-    (out / "result.json").write_text(json.dumps({"started": started, "stopped": run.step, "signal": requested,
-                                                 "signal_to_saved_s": saved_s if requested else None}))
+    results.atomic_write_text(out / "result.json", json.dumps({"started": started, "stopped": run.step,
+                              "signal": requested, "signal_to_saved_s": saved_s if requested else None}))
     if run.step == steps:
         save(run, out / "final.pt")
 
