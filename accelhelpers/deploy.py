@@ -237,15 +237,20 @@ def quantize_onnx_dynamic(src: str | Path, dst: str | Path) -> Path:
     return Path(dst)
 
 
+def calib_batches(calib_x: Any, batch: int, who: str) -> list[np.ndarray]:
+    """Calibration rows as contiguous float32 batches of `batch` rows; no rows at all: ValueError naming `who`."""
+    x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
+    if len(x) == 0:
+        raise ValueError(f"{who} needs calibration rows (a few hundred training inputs)")
+    return [x[i:i + batch] for i in range(0, len(x), batch)]
+
+
 def quantize_onnx_static(src: str | Path, dst: str | Path, calib_x: Any, batch: int = 64) -> Path:
     """ONNX Runtime static int8 in QDQ format: activation ranges fixed beforehand on calibration data."""
     require("onnxruntime")
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
-    if len(x) == 0:
-        raise ValueError("static quantization needs calibration rows (a few hundred training inputs)")
-    batches = iter([{"x": x[i:i + batch]} for i in range(0, len(x), batch)])
+    batches = iter([{"x": b} for b in calib_batches(calib_x, batch, "static quantization")])
     reader = type("Reader", (CalibrationDataReader,), {"get_next": lambda self: next(batches, None)})()
     quantize_static(_preprocess(src, dst), str(dst), reader, quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)

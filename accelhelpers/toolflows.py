@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib.util
 import io
 import os
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import deploy
+from . import checkpoint, deploy
 from .deploy import ToolMissing, require
 
 # ------------------------------------------------------------------------------------------------- torchao
@@ -104,10 +103,7 @@ def nncf_quantize(onnx_path: str | Path, calib_x: Any, batch: int = 64) -> Any:
     import nncf
     import openvino as ov
 
-    x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
-    if len(x) == 0:
-        raise ValueError("NNCF needs calibration rows (a few hundred training inputs)")
-    batches = [x[i:i + batch] for i in range(0, len(x), batch)]
+    batches = deploy.calib_batches(calib_x, batch, "NNCF")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return nncf.quantize(ov.Core().read_model(str(onnx_path)), nncf.Dataset(batches), subset_size=len(batches))
 
@@ -133,7 +129,7 @@ def openvino_kernels(compiled: Any) -> dict[str, list[str]]:
 
 
 # ------------------------------------------------------------------------------ LiteRT (full-integer int8)
-def _litert_convert_here(model: nn.Module, calib_x: np.ndarray, path: Path) -> Path:
+def _litert_convert_here(model: nn.Module, calib_x: np.ndarray, path: Path) -> None:
     """litert-torch's PT2E route in this process: export, calibrate int8 (weights per channel, activations per
     tensor, static), convert to a .tflite whose every op between the input and output quantizers is int8."""
     import litert_torch
@@ -147,24 +143,18 @@ def _litert_convert_here(model: nn.Module, calib_x: np.ndarray, path: Path) -> P
     two = (torch.from_numpy(calib_x[:2]),)  # a batch of 1 would specialize the dynamic dimension
     graph = prepare_pt2e(torch.export.export(model.eval(), two, dynamic_shapes=batch).module(), quantizer)
     with torch.no_grad():
-        for i in range(0, len(calib_x), 64):
-            graph(torch.from_numpy(calib_x[i:i + 64]))
+        for b in deploy.calib_batches(calib_x, 64, "LiteRT"):
+            graph(torch.from_numpy(b))
     graph = convert_pt2e(graph, fold_quantize=False)
     edge = litert_torch.convert(graph, example, quant_config=QuantConfig(pt2e_quantizer=quantizer))
     path.parent.mkdir(parents=True, exist_ok=True)
     edge.export(str(path))
-    return path
 
 
 def fingerprint(model: nn.Module, *arrays: Any) -> str:
-    """SHA-256 of a model's parameters and buffers and of some arrays: names what a converted file was made from."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    for a in arrays:
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
+    """SHA-256 (`checkpoint.digest`) of a model's parameters and buffers and of some arrays, shapes and dtypes
+    included: names what a converted file was made from."""
+    return checkpoint.digest([model.state_dict(), *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)])
 
 
 def litert_convert_int8(model: nn.Module, calib_x: Any, path: str | Path, timeout: float = 600) -> Path:
@@ -217,7 +207,7 @@ def litert_interpreter(path: str | Path, threads: int = 1) -> Any:
 
 def litert_run(interp: Any, x: Any) -> np.ndarray:
     """Run a one-input LiteRT model on float32 rows, resizing its batch dimension when it changes; an int8 input or
-    output is quantized or dequantized with the tensor's own scale and zero-point."""
+    output is quantized or dequantized (`deploy.quantize`, int8 or uint8) with the tensor's own scale and zero-point."""
     x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     inp, out = interp.get_input_details()[0], interp.get_output_details()[0]
     if tuple(inp["shape"]) != x.shape:
@@ -225,15 +215,13 @@ def litert_run(interp: Any, x: Any) -> np.ndarray:
         interp.allocate_tensors()
         inp, out = interp.get_input_details()[0], interp.get_output_details()[0]
     if inp["dtype"] != np.float32:
-        scale, zp = inp["quantization"]
         info = np.iinfo(inp["dtype"])
-        x = np.clip(np.round(x / scale) + zp, info.min, info.max).astype(inp["dtype"])
+        x = deploy.quantize(x, deploy.QParams(*inp["quantization"], int(info.min), int(info.max)))
     interp.set_tensor(inp["index"], x)
     interp.invoke()
     y = interp.get_tensor(out["index"])
     if out["dtype"] != np.float32:
-        scale, zp = out["quantization"]
-        y = (y.astype(np.float32) - zp) * np.float32(scale)
+        y = deploy.dequantize(y, deploy.QParams(*out["quantization"], -128, 127))  # uses scale and zero-point only
     return np.asarray(y, dtype=np.float32)
 
 

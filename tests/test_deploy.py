@@ -100,6 +100,14 @@ def test_qparams_uint8_and_symmetric_int8():
         D.qparams(1.0, 0.0)
 
 
+def test_calib_batches_are_float32_slices_and_no_rows_name_the_caller():
+    batches = D.calib_batches(torch.ones(130, 3, dtype=torch.float64), 64, "X")
+    assert [len(b) for b in batches] == [64, 64, 2]
+    assert all(b.dtype == np.float32 and b.flags.c_contiguous for b in batches)
+    with pytest.raises(ValueError, match="NNCF needs calibration rows"):
+        D.calib_batches(np.zeros((0, 3)), 64, "NNCF")
+
+
 def test_quantize_dequantize_round_trip():
     x = np.linspace(-1, 3, 101, dtype=np.float32)
     qp = D.qparams(-1.0, 3.0)

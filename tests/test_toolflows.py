@@ -61,6 +61,12 @@ def test_the_module_entry_point_explains_its_usage(capsys):
     assert "usage: python -m accelhelpers.toolflows litert" in capsys.readouterr().err
 
 
+def test_fingerprint_names_shapes_and_dtypes_and_takes_bf16_weights():
+    x = _x().numpy()
+    assert toolflows.fingerprint(_mlp(), x) != toolflows.fingerprint(_mlp(), x.reshape(32, 80))  # the same bytes
+    assert toolflows.fingerprint(_mlp().to(torch.bfloat16), x) != toolflows.fingerprint(_mlp(), x)
+
+
 def test_fingerprint_follows_the_weights_and_the_calibration_rows(tmp_path):
     m, x = _mlp(), _x().numpy()
     key = toolflows.fingerprint(m, x)
