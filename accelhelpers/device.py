@@ -36,6 +36,11 @@ def xla_installed() -> bool:
         return False
 
 
+def cpu_requested() -> bool:
+    """True when ACCEL_DEVICE asks for the CPU (the notebook tests set ACCEL_DEVICE=cpu on every machine)."""
+    return os.environ.get("ACCEL_DEVICE", "").lower().startswith("cpu")
+
+
 def xla_version() -> str | None:
     """torch_xla's version from its package metadata (without importing it), or None where it has none."""
     try:

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import checkpoint as ck
 from . import launch, metrics, session, timing, train
+from .device import cpu_requested
 from .faults import finish_distributed, init_distributed
 from .models import mlp
 
@@ -38,7 +39,7 @@ def rank_device(nproc: int | None = None) -> str:
     nccl refuses two ranks on one GPU ("Duplicate GPU detected"), so with fewer GPUs than ranks (one Colab GPU,
     two ranks) the ranks run on the CPU with gloo; ACCEL_DEVICE=cpu asks for the CPU on any machine."""
     n = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if os.environ.get("ACCEL_DEVICE", "").lower().startswith("cpu"):
+    if cpu_requested():
         return "cpu"
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= n else "cpu"
 

@@ -196,8 +196,11 @@ def model_for(depth: int) -> torch.nn.Sequential:
 
 
 def _device() -> torch.device:
-    """Where the fast path trains: a CUDA GPU if there is one (CUDA graphs), else the CPU (inductor's C++)."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """Where the fast path trains: a CUDA GPU if there is one (CUDA graphs) and ACCEL_DEVICE does not ask for the
+    CPU, else the CPU (inductor's C++)."""
+    from .device import cpu_requested
+
+    return torch.device("cuda") if torch.cuda.is_available() and not cpu_requested() else torch.device("cpu")
 
 
 def _grid(epochs: int, points: int = GRID_POINTS) -> np.ndarray:

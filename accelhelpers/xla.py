@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import internals, launch
-from .device import tpu_present, xla_installed, xla_version
+from .device import cpu_requested, tpu_present, xla_installed, xla_version
 
 INSTALL_FIX = "pip install torch=={v} 'torch_xla[tpu]=={v}'"
 # torch_xla's newest release (each one is built against exactly the torch release of the same number).
@@ -55,7 +55,7 @@ def choose_pjrt_device() -> str:
     ACCEL_DEVICE=cpu (set by the notebook tests on every machine) keeps XLA on its CPU device."""
     if os.environ.get("PJRT_DEVICE"):
         return os.environ["PJRT_DEVICE"]
-    if os.environ.get("ACCEL_DEVICE", "").lower().startswith("cpu"):
+    if cpu_requested():
         return "CPU"
     return "TPU" if tpu_present() else "CPU"
 

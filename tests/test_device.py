@@ -51,6 +51,15 @@ def test_bogus_profile_is_a_clear_error(monkeypatch):
     assert ah.device.hardware_report()["profile"].startswith("invalid")
 
 
+def test_cpu_requested_reads_accel_device(monkeypatch):
+    monkeypatch.setenv("ACCEL_DEVICE", "CPU:0")
+    assert ah.device.cpu_requested()
+    monkeypatch.setenv("ACCEL_DEVICE", "cuda")
+    assert not ah.device.cpu_requested()
+    monkeypatch.delenv("ACCEL_DEVICE")
+    assert not ah.device.cpu_requested()
+
+
 def test_xla_version_is_none_without_package_metadata(monkeypatch):
     """A torch_xla module that find_spec finds but that has no package metadata (a source checkout on the path)
     made hardware_report, and so session.setup, raise PackageNotFoundError."""

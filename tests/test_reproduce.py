@@ -154,6 +154,15 @@ def test_jobs_split_the_work_evenly_and_the_grid_is_log_spaced():
     assert list(grid[:10]) == list(range(1, 11))
 
 
+def test_the_fast_path_honours_accel_device_cpu(monkeypatch):
+    """The notebook tests set ACCEL_DEVICE=cpu on every machine; bench honoured it, reproduce trained on the GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("ACCEL_DEVICE", "cpu")
+    assert reproduce._device() == torch.device("cpu")
+    monkeypatch.delenv("ACCEL_DEVICE")
+    assert reproduce._device() == torch.device("cuda")
+
+
 def test_load_result_says_what_to_run(tmp_path):
     with pytest.raises(ValueError, match="python -m accelhelpers reproduce udlbook-20.2"):
         reproduce.load_result(tmp_path)
