@@ -20,6 +20,7 @@ from torch import nn
 
 from . import metrics
 from .device import sync
+from .faults import free_memory, oom_kind
 
 HABITS = ("none", "item", "print", "cpu")
 
@@ -341,10 +342,10 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 2**2
 def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None = None,
                 optimizer_states: int = 2) -> Callable[[int], bool]:
     """A `fits(bs)` test for `largest_batch`: runs a step of batch `bs` (shaped like `sample`, on its device);
-    on a GPU an out-of-memory error means False (and the cache is freed); with a budget, the step's memory
-    (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long after it is slow."""
-    on_gpu = sample.device.type == "cuda"
-    if budget_bytes is None and not on_gpu:
+    an out-of-memory error on any device (`faults.oom_kind`) means False (and the memory is freed); with a budget,
+    the step's memory (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long
+    after it is slow."""
+    if budget_bytes is None and sample.device.type != "cuda":
         raise ValueError("on a CPU give budget_bytes (e.g. 2 * 2**30): without one every batch 'fits' until the "
                          "machine swaps")
 
@@ -352,12 +353,14 @@ def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None
         try:
             x = sample.expand(bs, *sample.shape[1:]).contiguous()
             used = step_memory(model, x, optimizer_states)
-        except torch.OutOfMemoryError:
-            model.zero_grad(set_to_none=True)
-            if on_gpu:
-                torch.cuda.empty_cache()
-            return False
-        return budget_bytes is None or used <= budget_bytes
+        except (RuntimeError, MemoryError) as e:
+            if oom_kind(e) is None:
+                raise
+        else:
+            return budget_bytes is None or used <= budget_bytes
+        model.zero_grad(set_to_none=True)  # outside the except block: its traceback no longer holds the tensors
+        free_memory()
+        return False
 
     return fits
 

@@ -168,19 +168,30 @@ def test_memory_fits_against_a_budget_matches_step_memory():
 class _OomAbove(nn.Module):
     """Raises torch's real out-of-memory error above a batch size, as a GPU would."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, error: type[BaseException] = torch.OutOfMemoryError, message: str = ""):
         super().__init__()
-        self.lin, self.limit = nn.Linear(4, 2), limit
+        self.lin, self.limit, self.error, self.message = nn.Linear(4, 2), limit, error, message
 
     def forward(self, x):
         if len(x) > self.limit:
-            raise torch.OutOfMemoryError(f"tried to allocate for batch {len(x)}")
+            raise self.error(f"{self.message}tried to allocate for batch {len(x)}")
         return self.lin(x)
 
 
 def test_memory_fits_backs_off_on_out_of_memory():
     fits = P.memory_fits(_OomAbove(77), torch.rand(1, 4), budget_bytes=2**40)
     assert P.largest_batch(fits) == 77
+
+
+@pytest.mark.parametrize("error, message", [(RuntimeError, "MPS backend out of memory: "),
+                                            (RuntimeError, "DefaultCPUAllocator: can't allocate memory: "),
+                                            (MemoryError, "")])
+def test_memory_fits_backs_off_on_any_devices_out_of_memory(error, message):
+    """Only CUDA's OutOfMemoryError counted: an MPS or CPU out-of-memory error ended the search instead."""
+    fits = P.memory_fits(_OomAbove(77, error, message), torch.rand(1, 4), budget_bytes=2**40)
+    assert P.largest_batch(fits) == 77
+    with pytest.raises(ValueError, match="not memory"):
+        P.memory_fits(_OomAbove(0, ValueError, "not memory: "), torch.rand(1, 4), budget_bytes=2**40)(1)
 
 
 def test_plain_accumulation_equals_one_big_batch():
