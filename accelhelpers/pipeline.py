@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -252,14 +253,8 @@ def data_wait_share(loader: Iterable, step: Callable[[torch.Tensor, torch.Tensor
     """Is the accelerator starved? Time `next(batch)` + copy (+ batch transform) against `step(xb, yb)`,
     syncing the device after each so queued work is not misattributed."""
     wait = work = 0.0
-    steps = 0
-    it = iter(loader)
-    while max_steps is None or steps < max_steps:
-        t0 = time.perf_counter()
-        try:
-            xb, yb = next(it)
-        except StopIteration:
-            break
+    steps, t0 = 0, time.perf_counter()
+    for xb, yb in islice(loader, max_steps):  # the wait of each batch runs from t0 through next() to the copy
         xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         if batch_tfm is not None:
             xb = batch_tfm(xb)
@@ -268,6 +263,7 @@ def data_wait_share(loader: Iterable, step: Callable[[torch.Tensor, torch.Tensor
         step(xb, yb)
         sync(device)
         wait, work, steps = wait + t1 - t0, work + time.perf_counter() - t1, steps + 1
+        t0 = time.perf_counter()
     if steps == 0:
         raise ValueError("the loader yielded no batches to time")
     return Starvation(wait, work, steps)
