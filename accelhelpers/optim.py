@@ -96,7 +96,14 @@ class CallbackOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], cbs: Sequence[StepCallback], **hypers: Any) -> None:
         if not cbs:
             raise ValueError("CallbackOptimizer needs at least one step callback, e.g. [sgd_step]")
-        _check_hypers(hypers)
+        if not isinstance(hypers.get("lr"), (int, float)) or hypers["lr"] <= 0:
+            raise ValueError(f"learning rate must be a positive number, got lr={hypers.get('lr')!r}")
+        for name in ("mom", "sqr_mom"):
+            if name in hypers and not 0 <= hypers[name] < 1:
+                raise ValueError(f"{name} must be in [0, 1) (an averaging coefficient such as 0.9), "
+                                 f"got {hypers[name]}")
+        if hypers.get("wd", 0) < 0 or hypers.get("eps", 1) <= 0:
+            raise ValueError(f"need wd >= 0 and eps > 0, got wd={hypers.get('wd')}, eps={hypers.get('eps')}")
         super().__init__(params, hypers)
         self.cbs = list(cbs)
 
@@ -119,17 +126,6 @@ class CallbackOptimizer(torch.optim.Optimizer):
                     ctx.update(changes)
                     state.update({k: v for k, v in changes.items() if k != "grad"})
         return loss
-
-
-def _check_hypers(h: dict[str, Any]) -> None:
-    """Clear errors for hyper-parameters that cannot work."""
-    if "lr" not in h or not isinstance(h["lr"], (int, float)) or h["lr"] <= 0:
-        raise ValueError(f"learning rate must be a positive number, got lr={h.get('lr')!r}")
-    for name in ("mom", "sqr_mom"):
-        if name in h and not 0 <= h[name] < 1:
-            raise ValueError(f"{name} must be in [0, 1) (an averaging coefficient such as 0.9), got {h[name]}")
-    if h.get("wd", 0) < 0 or h.get("eps", 1) <= 0:
-        raise ValueError(f"need wd >= 0 and eps > 0, got wd={h.get('wd')}, eps={h.get('eps')}")
 
 
 def sgd(params: Iterable[Any], lr: float, mom: float = 0.0, wd: float = 0.0,
@@ -317,7 +313,7 @@ def one_cycle_on_step(opt: torch.optim.Optimizer, n_steps: int, lr_max: float,
     return on_step
 
 
-def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, **fit_kw: Any) -> FitHistory:
+def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False) -> FitHistory:
     """Fit a fastai Learner (`fit`, or `fit_one_cycle` with `lr` as lr_max) into a `train.FitHistory`: first metric
     and validation loss per epoch, cumulative training seconds (validation excluded)."""
     if not learn.metrics:
@@ -340,10 +336,7 @@ def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False, 
 
     timer = _TrainTimer()
     with learn.no_bar(), learn.no_logging():
-        if one_cycle:
-            learn.fit_one_cycle(epochs, lr, cbs=timer, **fit_kw)
-        else:
-            learn.fit(epochs, lr, cbs=timer, **fit_kw)
+        (learn.fit_one_cycle if one_cycle else learn.fit)(epochs, lr, cbs=timer)
     values = learn.recorder.values  # per epoch: [train loss, valid loss, first metric]
     return FitHistory(acc=[float(v[2]) for v in values], loss=[float(v[1]) for v in values], seconds=timer.seconds)
 
