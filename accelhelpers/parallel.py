@@ -26,7 +26,8 @@ from . import checkpoint as ck
 from . import launch, metrics, session, timing, train
 from .device import cpu_requested
 from .faults import finish_distributed, init_distributed
-from .models import mlp
+from .models import count_params, mlp
+from .results import atomic_write_text
 
 WORKERS = ("equivalence", "ddp_train", "fastai_train", "accelerate_launchers", "techniques")
 
@@ -192,7 +193,7 @@ def ddp_train(out: Path, epochs: int, batch: int, width: int, bench_steps: int, 
     ck.load_checkpoint(ck.latest_good_checkpoint(out / "ckpt"), fresh, map_location="cpu", restore_rng=False)
     same = metrics.max_abs_diff(fresh, model) == 0.0
     acc = metrics.model_accuracy(model, data.x_test, data.y_test)
-    res = {"world": world, "batch": batch, "width": width, "params": sum(p.numel() for p in model.parameters()),
+    res = {"world": world, "batch": batch, "width": width, "params": count_params(model),
            "accuracy": acc, "checkpoint_reloads_equal": same, "bench": {}}
     for b in bench_batches or [batch]:
         step_s, local_s = _time_ddp_steps(ddp, opt, data.x_train[:b], data.y_train[:b], bench_steps)
@@ -200,7 +201,7 @@ def ddp_train(out: Path, epochs: int, batch: int, width: int, bench_steps: int, 
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, res)
     if rank == 0:
-        (out / f"ddp_world{world}.json").write_text(json.dumps(everyone))
+        atomic_write_text(out / f"ddp_world{world}.json", json.dumps(everyone))
     finish_distributed()
 
 
@@ -306,7 +307,7 @@ def fastai_train(out: Path, epochs: int, batch: int, lr: float, patch: bool) -> 
                "setup_distrib": setup, "num_distrib": num_distrib(), "bs": bs, "rank_batch": sizes.sizes[0],
                "global_batch": int(step_batch), "steps_per_epoch": len(sizes.sizes) // epochs}
         print(f"[rank0] fastai to_distributed on {world} processes: accuracy {acc:.3f}", flush=True)
-        (out / "fastai.json").write_text(json.dumps(res))
+        atomic_write_text(out / "fastai.json", json.dumps(res))
     finish_distributed()
 
 
@@ -324,8 +325,8 @@ def accelerate_worker(out: str, tag: str) -> None:
         opt.step()
     acc.print(f"[{tag}] {acc.num_processes} processes, {acc.distributed_type}, device {acc.device}")
     if acc.is_main_process:
-        Path(out, f"{tag}.json").write_text(json.dumps({"processes": acc.num_processes,
-                                                          "type": str(acc.distributed_type)}))
+        atomic_write_text(Path(out, f"{tag}.json"), json.dumps({"processes": acc.num_processes,
+                                                                 "type": str(acc.distributed_type)}))
     acc.wait_for_everyone()
 
 
@@ -570,7 +571,7 @@ def techniques(out: Path, steps: int, rounds: int, width: int) -> None:
         dist.all_gather_object(both, mine)
         res["pipeline"] = both
     if rank == 0:
-        (out / "techniques.json").write_text(json.dumps(res))
+        atomic_write_text(out / "techniques.json", json.dumps(res))
         print(f"[rank0] techniques done: FSDP2, AMP {res['amp']['dtype']}, find_unused, all-reduce sweep, pipeline",
               flush=True)
     finish_distributed()
@@ -599,7 +600,7 @@ def train_mnist1d(batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0
         data = mnist1d()
         warm = max(1, round(warmup_epochs * (len(data.x_train) // batch)))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-        train.fit(model, data, opt, epochs, batch, seed=seed, scheduler=sched, drop_last=True, evaluate=False)
+        train.fit(model, (data.x_train, data.y_train), opt, epochs, batch, seed=seed, scheduler=sched, drop_last=True)
         return metrics.model_accuracy(model, data.x_test, data.y_test)
 
 
