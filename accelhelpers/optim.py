@@ -96,14 +96,14 @@ class CallbackOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], cbs: Sequence[StepCallback], **hypers: Any) -> None:
         if not cbs:
             raise ValueError("CallbackOptimizer needs at least one step callback, e.g. [sgd_step]")
-        if not isinstance(hypers.get("lr"), (int, float)) or hypers["lr"] <= 0:
-            raise ValueError(f"learning rate must be a positive number, got lr={hypers.get('lr')!r}")
+        h = hypers
+        if not isinstance(h.get("lr"), (int, float)) or h["lr"] <= 0:
+            raise ValueError(f"learning rate must be a positive number, got lr={h.get('lr')!r}")
         for name in ("mom", "sqr_mom"):
-            if name in hypers and not 0 <= hypers[name] < 1:
-                raise ValueError(f"{name} must be in [0, 1) (an averaging coefficient such as 0.9), "
-                                 f"got {hypers[name]}")
-        if hypers.get("wd", 0) < 0 or hypers.get("eps", 1) <= 0:
-            raise ValueError(f"need wd >= 0 and eps > 0, got wd={hypers.get('wd')}, eps={hypers.get('eps')}")
+            if name in h and not 0 <= h[name] < 1:
+                raise ValueError(f"{name} must be in [0, 1) (an averaging coefficient such as 0.9), got {h[name]}")
+        if h.get("wd", 0) < 0 or h.get("eps", 1) <= 0:
+            raise ValueError(f"need wd >= 0 and eps > 0, got wd={h.get('wd')}, eps={h.get('eps')}")
         super().__init__(params, hypers)
         self.cbs = list(cbs)
 

@@ -338,17 +338,15 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 2**2
 def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None = None,
                 optimizer_states: int = 2) -> Callable[[int], bool]:
     """A `fits(bs)` test for `largest_batch`: runs a step of batch `bs` (shaped like `sample`, on its device);
-    an out-of-memory error on any device (`faults.oom_kind`) means False (and the memory is freed); with a budget,
-    the step's memory (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long
-    after it is slow."""
+    out of memory (`faults.oom_kind`) means False (and the memory is freed); with a budget, the step's memory
+    (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long after it is slow."""
     if budget_bytes is None and sample.device.type != "cuda":
         raise ValueError("on a CPU give budget_bytes (e.g. 2 * 2**30): without one every batch 'fits' until the "
                          "machine swaps")
 
     def fits(bs: int) -> bool:
         try:
-            x = sample.expand(bs, *sample.shape[1:]).contiguous()
-            used = step_memory(model, x, optimizer_states)
+            used = step_memory(model, sample.expand(bs, *sample.shape[1:]).contiguous(), optimizer_states)
         except (RuntimeError, MemoryError) as e:
             if oom_kind(e) is None:
                 raise
