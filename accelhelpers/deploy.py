@@ -90,7 +90,7 @@ def fit_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=epochs * math.ceil(len(x) / batch_size))
     with torch_threads(threads):
-        fit(model, (x, y), opt, epochs, batch_size, seed=seed, scheduler=sched, evaluate=False, progress=progress)
+        fit(model, (x, y), opt, epochs, batch_size, seed=seed, scheduler=sched, progress=progress)
     return model.eval()
 
 

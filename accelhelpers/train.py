@@ -389,8 +389,7 @@ class FitHistory:
 
 def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, epochs: int,
         bs: int = 64, *, seed: int = 0, policy: Any = None, on_step: Callable[[int], None] | None = None,
-        scheduler: Any = None, drop_last: bool = False, evaluate: bool = True,
-        progress: str | bool = False) -> FitHistory:
+        scheduler: Any = None, drop_last: bool = False, progress: str | bool = False) -> FitHistory:
     """Minibatch training with cross-entropy: each epoch a fresh permutation from a CPU generator seeded by `seed`,
     batches of `bs` (the last one short unless `drop_last`). `policy` (precision.Policy) adds autocast and, for
     fp16, a GradScaler; `on_step(it)` runs before step `it` (e.g. to set one-cycle hyper-parameters);
@@ -418,7 +417,7 @@ def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt:
         sync(x.device)
         elapsed += time.perf_counter() - t0
         hist.seconds.append(elapsed)
-        if evaluate and isinstance(split, Split):  # test accuracy and loss, under the policy's autocast
+        if isinstance(split, Split):  # test accuracy and loss, under the policy's autocast
             model.eval()
             with torch.no_grad(), (policy.autocast() if policy is not None else nullcontext()):
                 logits = model(split.x_test).float()
