@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from .internals import TorchDispatchMode
 from .timing import interleaved
+from .train import minibatch_step
 
 PREFERENCES = ("bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -248,14 +249,13 @@ def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
     the scaler skipped the step (inf/NaN gradients: the scale is halved) and the loss."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    from .train import _step
     policy = Policy(x.device.type, torch.float16, True, "scaler_trace")
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     scaler = policy.grad_scaler(init_scale=init_scale, growth_interval=growth_interval)
     trace = []
     for step in range(steps):
         before = scaler.get_scale()
-        loss = _step(model, opt, x, y, policy, scaler)
+        loss = minibatch_step(model, opt, x, y, policy, scaler)
         trace.append({"step": step, "scale": before, "skipped": scaler.get_scale() < before, "loss": loss.item()})
     return trace
 

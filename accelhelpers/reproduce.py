@@ -46,7 +46,7 @@ import torch
 from . import checkpoint, faults, metrics, train
 from .course import CommandError
 from .data import Split, mnist1d
-from .device import hardware_report, machine_line
+from .device import cpu_requested, hardware_report, machine_line
 from .models import count_params, udl_mlp, udl_sizes
 from .results import atomic_write_bytes, atomic_write_text, read_json
 
@@ -198,8 +198,6 @@ def model_for(depth: int) -> torch.nn.Sequential:
 def _device() -> torch.device:
     """Where the fast path trains: a CUDA GPU if there is one (CUDA graphs) and ACCEL_DEVICE does not ask for the
     CPU, else the CPU (inductor's C++)."""
-    from .device import cpu_requested
-
     return torch.device("cuda") if torch.cuda.is_available() and not cpu_requested() else torch.device("cpu")
 
 

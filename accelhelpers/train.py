@@ -410,7 +410,7 @@ def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt:
                 break
             if on_step is not None:
                 on_step(it)
-            _step(model, opt, x[idx], y[idx], policy, scaler)
+            minibatch_step(model, opt, x[idx], y[idx], policy, scaler)
             if scheduler is not None:
                 scheduler.step()
             it += 1
@@ -427,8 +427,8 @@ def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt:
     return hist
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
-          scaler: Any) -> torch.Tensor:
+def minibatch_step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
+                   scaler: Any) -> torch.Tensor:
     """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss).
     Returns the loss."""
     with policy.autocast() if policy is not None else nullcontext():  # the policy's low-precision forward pass

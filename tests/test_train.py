@@ -232,6 +232,23 @@ def test_fit_hooks_drop_last_and_a_bf16_policy(data):
     assert 0 < hist.final <= 1 and np.isfinite(hist.loss[-1])
 
 
+def test_minibatch_step_is_one_plain_sgd_step_and_its_fp16_recipe_skips_an_overflow(data):
+    import torch.nn.functional as F
+
+    a, x, y = ah.models.mlp([40, 16, 10]), data.x_train[:64], data.y_train[:64]
+    b = train.clone(a)
+    loss = train.minibatch_step(a, torch.optim.SGD(a.parameters(), lr=0.1), x, y, None, None)
+    assert loss.item() == F.cross_entropy(b(x), y).item()  # the loss before the update
+    F.cross_entropy(b(x), y).backward()
+    torch.optim.SGD(b.parameters(), lr=0.1).step()
+    assert ah.metrics.max_abs_diff(a, b) == 0.0
+    policy = ah.precision.Policy("cpu", torch.float16, True, "test")
+    scaler = policy.grad_scaler(init_scale=2.0**40)  # fp16 gradients overflow at this scale: step skipped
+    before = [p.detach().clone() for p in a.parameters()]
+    train.minibatch_step(a, torch.optim.SGD(a.parameters(), lr=0.1), x, y, policy, scaler)
+    assert scaler.get_scale() == 2.0**39 and all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+
+
 def test_fit_refuses_bad_arguments(data):
     model = ah.models.mlp([40, 10])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
