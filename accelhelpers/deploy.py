@@ -12,6 +12,7 @@ import io
 import math
 import re
 import shutil
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from .session import threads as torch_threads
 from .train import fit
 
 EDGE_VENV = ".venv-edge"
+# torch.fx's tracer (hls4ml's PyTorch front end) patches nn.Module for the whole process while it traces: two traces
+# at once in hls_sweep's threads broke each other (KeyError '_0_weight', TraceError), so one trace at a time.
+_FX_TRACE = threading.Lock()
 INSTALL_HINTS: dict[str, str] = {  # every optional tool of chapters 08 and 10, with its install line
     "onnx": "pip install onnx",
     "onnxscript": "pip install onnxscript (torch.onnx.export's dynamo exporter needs it)",
@@ -374,11 +378,12 @@ def hls_convert(model: nn.Module, n_features: int, out_dir: str | Path, precisio
     require("hls4ml", *(("g++",) if compile else ()))
     import hls4ml
 
-    cfg = hls_config(model, n_features, precision, reuse_factor, per_layer)
     # hls4ml prints the topology and 'Writing HLS project'; redirecting stdout is process-wide, so not in threads
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-        hm = hls4ml.converters.convert_from_pytorch_model(model, hls_config=cfg, output_dir=str(out_dir),
-                                                          backend="Vitis", io_type="io_parallel")
+        with _FX_TRACE:
+            cfg = hls_config(model, n_features, precision, reuse_factor, per_layer)
+            hm = hls4ml.converters.convert_from_pytorch_model(model, hls_config=cfg, output_dir=str(out_dir),
+                                                              backend="Vitis", io_type="io_parallel")
         if compile:
             hm.compile()  # writes the project, then g++ builds it into a shared library
         else:

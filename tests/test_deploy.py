@@ -1,6 +1,9 @@
 """Tests for accelhelpers.deploy: int8 by hand against ONNX Runtime, ONNX export, hls4ml against its NumPy model."""
 
+import contextlib
+import io
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -257,3 +260,26 @@ def test_hls4ml_emulation_is_bit_exact_with_numpy_model(tmp_path, trained, blobs
         D.hls_sweep(trained, 6, xs, [], tmp_path)
     with pytest.raises(ValueError, match="per-layer"):
         D.hls_sweep(trained, 6, xs, ["ap_fixed<8,3>"], tmp_path, per_layer=[None, None])
+
+
+@needs_hls
+def test_hls_conversions_in_threads_do_not_break_each_others_trace(tmp_path):
+    # torch.fx patches nn.Module process-wide while it traces; unserialized, about 1 conversion in 20 failed here
+    import sys
+    import threading
+
+    model, start = ah.models.mlp([6, 16, 16, 3]), threading.Barrier(2)
+
+    def convert(folder):
+        start.wait()  # both threads trace at the same moment, as hls_sweep's first two projects do
+        return D.hls_convert(model, 6, folder, compile=False, quiet=False)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns often, as they do when one of them writes a file
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # once, around the threads, as hls_sweep does
+            for r in range(40):
+                with ThreadPoolExecutor(2) as pool:
+                    assert all(pool.map(convert, [tmp_path / f"r{r}a", tmp_path / f"r{r}b"]))
+    finally:
+        sys.setswitchinterval(switch)
