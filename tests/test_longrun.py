@@ -168,7 +168,6 @@ def test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout(tmp_path):
         longrun.wait_for(proc, "READY", timeout=180)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
 def test_wait_for_times_out_when_the_group_has_gone_before_the_kill():
     code = "import subprocess; subprocess.Popen(['sleep', '3'], start_new_session=True)"  # keeps the output open
     proc = launch.start([sys.executable, "-c", code])
@@ -177,6 +176,7 @@ def test_wait_for_times_out_when_the_group_has_gone_before_the_kill():
         longrun.wait_for(proc, "NEVER", timeout=1)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
 def test_a_real_cpu_oom_under_a_memory_limit_is_backed_off_both_ways(tmp_path):
     code, out = longrun.finish(longrun.start("oom", tmp_path, "--budget-mb", 128, "--start-batch", 65536), 300)
     assert code == 0, out[-2000:]
