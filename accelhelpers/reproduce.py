@@ -48,7 +48,7 @@ from .course import CommandError
 from .data import Split, mnist1d
 from .device import cpu_requested, hardware_report, machine_line
 from .models import count_params, udl_mlp, udl_sizes
-from .results import atomic_write_bytes, atomic_write_text, read_json
+from .results import atomic_write_bytes, atomic_write_text, read_json, repo_root
 
 EXPERIMENT = "udlbook-20.2"
 SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
@@ -301,8 +301,6 @@ def load_result(path: str | Path) -> dict[str, Any]:
 
 def recorded_runs(root: Path | None = None) -> list[tuple[dict[str, Any], Path]]:
     """Every committed full run, results/udlbook-20.2_<hardware>_<date>/ in the checkout, oldest finished first."""
-    from .results import repo_root
-
     root = root or repo_root()
     return sorted(((load_result(p), p.parent) for p in root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json")),
                   key=lambda run: run[0]["created"]) if root else []

@@ -205,6 +205,12 @@ def litert_interpreter(path: str | Path, threads: int = 1) -> Any:
     return interp
 
 
+def _qparams(tensor: dict[str, Any]) -> deploy.QParams:
+    """A LiteRT tensor's scale and zero-point, with the range of its integer type (int8 or uint8)."""
+    info = np.iinfo(tensor["dtype"])
+    return deploy.QParams(*tensor["quantization"], int(info.min), int(info.max))
+
+
 def litert_run(interp: Any, x: Any) -> np.ndarray:
     """Run a one-input LiteRT model on float32 rows, resizing its batch dimension when it changes; an int8 input or
     output is quantized or dequantized (`deploy.quantize`, int8 or uint8) with the tensor's own scale and zero-point."""
@@ -215,13 +221,12 @@ def litert_run(interp: Any, x: Any) -> np.ndarray:
         interp.allocate_tensors()
         inp, out = interp.get_input_details()[0], interp.get_output_details()[0]
     if inp["dtype"] != np.float32:
-        info = np.iinfo(inp["dtype"])
-        x = deploy.quantize(x, deploy.QParams(*inp["quantization"], int(info.min), int(info.max)))
+        x = deploy.quantize(x, _qparams(inp))
     interp.set_tensor(inp["index"], x)
     interp.invoke()
     y = interp.get_tensor(out["index"])
     if out["dtype"] != np.float32:
-        y = deploy.dequantize(y, deploy.QParams(*out["quantization"], -128, 127))  # uses scale and zero-point only
+        y = deploy.dequantize(y, _qparams(out))
     return np.asarray(y, dtype=np.float32)
 
 
