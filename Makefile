@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv course test test-compat test-colab device-check lab notebooks bench lint clean
+.PHONY: venv course test test-compat test-colab device-check lab notebooks bench lint clean export
 
 venv: $(STAMP)
 
@@ -38,7 +38,12 @@ test-compat: $(COMPAT)/.installed
 
 # The course under Colab's own package sets (tests/colab/: the GPU and the TPU image), installed the way the
 # chapters' setup cells install it, every chapter executed top to bottom (quick profile, CPU; XLA's CPU device).
-test-colab: venv
+test-co# The lessons live in the notebooks: `#| export` cells go into accelhelpers/ (nbdev 3). After editing an exported
+# cell, `make export` (or `make export NB=notebooks/03_momentum_adam_one_cycle.ipynb` for one chapter).
+export: venv
+	$(BIN)/python tests/nbexport.py $(NB)
+
+lab: venv
 	$(BIN)/python tests/colab/check.py gpu
 	$(BIN)/python tests/colab/check.py tpu
 
@@ -62,12 +67,17 @@ browser:
 	else echo "Chromium not found: install it (Debian/Ubuntu: apt-get install chromium) or set ACCEL_CHROMIUM;" \
 		"the browser tests will be skipped"; fi
 
+# The lessons live in the notebooks: `#| export` cells go into accelhelpers/ (nbdev 3). After editing an exported
+# cell, `make export` (or `make export NB=notebooks/03_momentum_adam_one_cycle.ipynb` for one chapter).
+export: venv
+	$(BIN)/python tests/nbexport.py $(NB)
+
 lab: venv
 	$(BIN)/jupyter lab notebooks
 
 notebooks: venv
 	@for nb in $(NBS); do echo "executing $$nb"; \
-		ACCEL_PROFILE=quick $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
+		ACCEL_PROFILE=quick TQDM_DISABLE=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 --KernelManager.transport_encryption=required "$$nb" || exit 1; done
 
 bench: venv
