@@ -78,7 +78,8 @@ lab: venv
 notebooks: venv
 	@for nb in $(NBS); do echo "executing $$nb"; \
 		ACCEL_PROFILE=quick TQDM_DISABLE=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
-		--ExecutePreprocessor.timeout=600 --KernelManager.transport_encryption=required "$$nb" || exit 1; done
+		--ExecutePreprocessor.timeout=600 --KernelManager.transport_encryption=required "$$nb" || exit 1; \
+		$(BIN)/python tests/nbexport.py --clean "$$nb"; done
 
 bench: venv
 	$(BIN)/python -m accelhelpers bench fullbatch --json build/bench_fullbatch.json

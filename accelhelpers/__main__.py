@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="which", required=True)
     fb = bsub.add_parser("fullbatch", help="chapter 02: naive loop vs fastai vs the fast paths, side by side")
-    fb.add_argument("--steps", type=int, default=None, help="timed steps per variant and round (default: by time)")
+    fb.add_argument("--min-steps", type=int, default=20, help="fewest steps a variant runs per round (default 20)")
     fb.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     fb.add_argument("--models", type=int, default=None, help="models in the many-models row (default 8)")
     fb.add_argument("--rounds", type=int, default=5, help="interleaved rounds; rows report the median (default 5)")

@@ -4,7 +4,7 @@ The experiment (Prince, *Understanding Deep Learning*, notebook 20.2): four MLPs
 298/100/75/63 units (about 15 200 parameters each) trained by full-batch SGD (lr 0.0025, batch = all 4000
 MNIST-1D training examples) for 500 000 epochs (1 hidden layer) and 200 000 epochs (2-4 hidden layers).
 
-How it runs: each depth on the fast path (`train.FullGraphLoop`: one compiled graph per step; depth 4's
+How it runs: each depth on the fast path (`fullbatch.FullGraphLoop`: one compiled graph per step; depth 4's
 hidden widths padded 63 -> 64 with zero units, which changes nothing but speed, see PAD). The training error of
 EVERY epoch comes from the step's own forward pass (before that step's update, as udlbook records it); the
 test error is measured every TEST_EVERY epochs (after that epoch's update). `--jobs N` trains the depths in N
@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, faults, metrics, train
+from . import checkpoint, faults, fullbatch, metrics
 from .course import CommandError
 from .data import Split, mnist1d
 from .device import cpu_requested, hardware_report, machine_line
@@ -57,7 +57,7 @@ LR = 0.0025
 TEST_EVERY = 100
 CHECKPOINT_S = 180.0
 GRID_POINTS = 1500
-# Hidden widths rounded up to a multiple of PAD[d] with zero units (train.pad_mlp: same model, other speed).
+# Hidden widths rounded up to a multiple of PAD[d] with zero units (fullbatch.pad_mlp: same model, other speed).
 # Measured on 2-core AMD EPYC, 1 thread, medians of 5 interleaved rounds (steps/s): depth 1 (298) unpadded 232
 # vs 304 wide 121; depth 2 (100) 225 vs 189; depth 3 (75) 178 vs 166; depth 4 (63) padded to 64 189 vs 148.
 PAD = {1: 1, 2: 1, 3: 1, 4: 16}
@@ -154,7 +154,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: fa
     bar.update(start)
     if start >= epochs:
         return st
-    loop = train.FullGraphLoop(model, data, LR, test_every=max(k, 2), compile=settings.compile)
+    loop = fullbatch.FullGraphLoop(model, data, LR, test_every=max(k, 2), compile=settings.compile)
     x, y, n = data.x_train, data.y_train, len(data.y_train)
 
     def save(step: int) -> dict[str, Any]:
@@ -192,7 +192,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: fa
 
 def model_for(depth: int) -> torch.nn.Sequential:
     """udlbook's MLP of this depth, seeded with the depth, padded as PAD says."""
-    return train.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
+    return fullbatch.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
 
 
 def _device() -> torch.device:

@@ -21,8 +21,8 @@ T = TypeVar("T")
 def progress(items: Iterable[T], desc: str | bool | None = None, **kw: Any) -> Iterable[T]:
     """`items` with a progress bar (tqdm.auto: a widget in Jupyter, text in a terminal) when `desc` is truthy,
     plain `items` otherwise; TQDM_DISABLE=1 silences every bar (`make test` sets it)."""
-    if not desc:
-        return items
+    if not desc or os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes"):
+        return items  # tqdm.notebook sets disable=False explicitly, so tqdm's own TQDM_DISABLE never reaches it
     from tqdm.auto import tqdm
 
     label = desc if isinstance(desc, str) else None

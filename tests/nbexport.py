@@ -1,9 +1,12 @@
 """Export the chapters' `#| export` cells into accelhelpers/ with nbdev 3's `nb_export` (used by `make export` and
-by tests/test_export.py). `python tests/nbexport.py [NOTEBOOK ...]` exports the given notebooks, or every chapter."""
+by tests/test_export.py). `python tests/nbexport.py [NOTEBOOK ...]` exports the given notebooks, or every chapter;
+`python tests/nbexport.py --clean [NOTEBOOK ...]` strips what an execution leaves that is not a lesson's output
+(execution timestamps, widget state), as `make notebooks` does after running each chapter."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +29,19 @@ def export(root: Path = ROOT, notebooks: list[Path] | None = None) -> None:
             nb_export(str(Path(nb).resolve().relative_to(root)), lib_path="accelhelpers")
 
 
+def clean(nb: Path) -> bool:
+    """Drop execution timestamps and widget state from a notebook; True when it changed."""
+    data = json.loads(nb.read_text())
+    before = json.dumps(data, sort_keys=True)
+    data["metadata"].pop("widgets", None)
+    for cell in data["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+    if json.dumps(data, sort_keys=True) == before:
+        return False
+    nb.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    return True
+
+
 def generated(root: Path = ROOT) -> dict[str, str]:
     """The package's generated modules: name -> the notebook nbdev wrote it from."""
     out = {}
@@ -39,6 +55,11 @@ def generated(root: Path = ROOT) -> dict[str, str]:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    if sys.argv[1:2] == ["--clean"]:
+        for nb in [Path(a).resolve() for a in sys.argv[2:]] or chapters():
+            if clean(nb):
+                print(f"cleaned {nb.name}")
+        sys.exit(0)
     export(ROOT, [Path(a).resolve() for a in sys.argv[1:]] or None)
     for module, nb in generated().items():
         print(f"accelhelpers/{module:<14} <- {nb}")

@@ -76,3 +76,39 @@ def test_the_print_back_check_catches_it():
     assert all(print_backs([b]) for b in bad)
     assert print_backs(["import inspect\nfrom fastai.callback.training import GradientAccumulation\n"
                         "print(inspect.getsource(GradientAccumulation))"]) == []  # a library's source is fine
+
+
+STRAY = ("0%|", "ERROR:", "ProcessGroupGloo", "[Gloo]")
+
+
+def stored_problems(nb: Path) -> list[str]:
+    """What a committed notebook must not hold: timestamps, widget state or views, progress bars, library logs."""
+    data = json.loads(nb.read_text())
+    found = ["widget state in the metadata"] if "widgets" in data["metadata"] else []
+    for i, cell in enumerate(data["cells"]):
+        if "execution" in cell.get("metadata", {}):
+            found.append(f"cell {i}: execution timestamps")
+        for out in cell.get("outputs", []):
+            if "application/vnd.jupyter.widget-view+json" in out.get("data", {}):
+                found.append(f"cell {i}: a widget (a progress bar frozen where the run left it)")
+            text = "".join(out.get("text", ""))
+            found += [f"cell {i}: {s!r} in an output" for s in STRAY if s in text]
+    return found
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
+def test_committed_notebooks_are_clean(nb):
+    assert stored_problems(nb) == [], "run `make notebooks` (it executes without bars and cleans)"
+
+
+def test_the_cleanliness_check_sees_each_problem(tmp_path):
+    nb = {"metadata": {"widgets": {}}, "nbformat": 4, "nbformat_minor": 5, "cells": [
+        {"cell_type": "code", "id": "a", "metadata": {"execution": {"iopub.status.busy": "2026"}}, "source": "",
+         "execution_count": 1, "outputs": [
+             {"output_type": "display_data", "metadata": {}, "data": {"application/vnd.jupyter.widget-view+json": {}}},
+             {"output_type": "stream", "name": "stderr", "text": "bar:   0%|          | 0/7\n"},
+             {"output_type": "stream", "name": "stderr", "text": "ERROR:2026-12-01 gpuGetDeviceCount failed\n"}]}]}
+    path = tmp_path / "99_x.ipynb"
+    path.write_text(json.dumps(nb))
+    assert len(stored_problems(path)) == 5
+    assert nbexport.clean(path) and len(stored_problems(path)) == 3  # cleaning drops timestamps and widget state

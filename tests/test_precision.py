@@ -1,4 +1,5 @@
-"""Tests for accelhelpers.precision: format facts against torch.finfo, the policy, autocast/memory tools, fastai."""
+"""Tests for accelhelpers.precision (exported from chapter 04): format facts against torch.finfo, loss scaling against
+GradScaler, the policy, the training step, autocast/memory tools, checkpointing, fastai."""
 
 import os
 import subprocess
@@ -10,7 +11,6 @@ import torch
 from torch import nn
 
 import accelhelpers as ah
-from accelhelpers import precision as P
 
 CPU_REPORT = {"cpu_bf16_native": True}
 
@@ -19,85 +19,102 @@ CPU_REPORT = {"cpu_bf16_native": True}
 
 @pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e5m2"])
 def test_ieee_facts_match_finfo(name):
-    dtype, e, m, _ = P.FORMATS[name]
-    fi, facts = torch.finfo(dtype), P.ieee_facts(e, m)
+    dtype, e, m, _ = ah.precision.FORMATS[name]
+    fi, facts = torch.finfo(dtype), ah.precision.ieee_facts(e, m)
     assert facts["max"] == fi.max and facts["eps"] == fi.eps
     assert facts["smallest_normal"] == fi.smallest_normal
 
 
-def test_ieee_facts_differ_for_e4m3fn_and_reject_bad_bits():
+def test_ieee_facts_differ_for_e4m3fn():
     # e4m3fn ("finite") reclaims the inf exponent: its max is 448, not the IEEE-style 240
-    assert P.ieee_facts(4, 3)["max"] == 240.0
-    assert P.format_facts("fp8_e4m3fn")["max"] == 448.0
-    with pytest.raises(ValueError, match="exp_bits >= 2"):
-        P.ieee_facts(1, 3)
+    assert ah.precision.ieee_facts(4, 3)["max"] == 240.0
+    assert ah.precision.format_facts("fp8_e4m3fn")["max"] == 448.0
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
 def test_smallest_subnormal_is_really_the_smallest(name):
-    dtype = P.FORMATS[name][0]
-    tiny = P.format_facts(name)["smallest_subnormal"]
+    dtype = ah.precision.FORMATS[name][0]
+    tiny = ah.precision.format_facts(name)["smallest_subnormal"]
     assert torch.tensor(tiny, dtype=torch.float64).to(dtype).item() == tiny
     assert torch.tensor(tiny / 2, dtype=torch.float64).to(dtype).item() == 0.0  # ties-to-even rounds to 0
 
 
 def test_format_facts_tf32_by_formula_and_unknown_name():
-    tf32 = P.format_facts("tf32")
+    tf32 = ah.precision.format_facts("tf32")
     assert tf32["source"] == "formula" and tf32["eps"] == 2.0**-10 and tf32["smallest_normal"] == 2.0**-126
     with pytest.raises(ValueError, match="unknown format 'fp12'"):
-        P.format_facts("fp12")
+        ah.precision.format_facts("fp12")
 
 
 def test_format_table_has_every_format_in_order():
-    rows = P.format_table()
-    assert [r["format"] for r in rows] == list(P.FORMATS)
+    rows = ah.precision.format_table()
+    assert [r["format"] for r in rows] == list(ah.precision.FORMATS)
     assert [r["bits"] for r in rows] == [32, 32, 16, 16, 8, 8]
 
 
 def test_spacing_matches_nextafter_for_fp32():
     x = torch.tensor([1e-40, 1e-30, 1e-3, 1.0, 3.0, 1e10, 1e30], dtype=torch.float32)
     gap = (torch.nextafter(x, torch.tensor(float("inf"))) - x).double()
-    assert torch.equal(P.spacing(x, "fp32"), gap)
+    assert torch.equal(ah.precision.spacing(x, "fp32"), gap)
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
 def test_spacing_matches_enumerated_values(name):
-    vals = P.representable(P.FORMATS[name][0])
+    vals = ah.precision.representable(ah.precision.FORMATS[name][0])
     gaps = vals[1:] - vals[:-1]
-    assert torch.equal(P.spacing(vals[:-1], name), gaps)
+    assert torch.equal(ah.precision.spacing(vals[:-1], name), gaps)
 
 
 def test_spacing_unknown_format():
     with pytest.raises(ValueError, match="unknown format"):
-        P.spacing(torch.ones(2), "int4")
+        ah.precision.spacing(torch.ones(2), "int4")
 
 
 @pytest.mark.parametrize("dtype,count", [(torch.float16, 31744), (torch.bfloat16, 32640),
                                          (torch.float8_e4m3fn, 127), (torch.float8_e5m2, 124)])
 def test_representable_counts(dtype, count):
-    vals = P.representable(dtype)
+    vals = ah.precision.representable(dtype)
     assert vals.numel() == count and vals[0] == 0 and vals[-1] == torch.finfo(dtype).max
 
 
 def test_representable_rejects_wide_dtypes():
     with pytest.raises(ValueError, match="8- and 16-bit"):
-        P.representable(torch.float32)
+        ah.precision.representable(torch.float32)
 
 
 def test_cast_report_counts_zero_subnormal_overflow():
     v = torch.tensor([1e-9, 1e-6, 1.0, 1e5, 0.0])  # the 0 is ignored
-    r = P.cast_report(v, torch.float16)
+    r = ah.precision.cast_report(v, torch.float16)
     assert (r["zero"], r["subnormal"], r["overflow"], r["count"]) == (0.25, 0.25, 0.25, 4)
-    r = P.cast_report(v, torch.float16, scale=2.0**10)  # scaling rescues the tiny ones, overflows more
+    r = ah.precision.cast_report(v, torch.float16, scale=2.0**10)  # scaling rescues the tiny ones, overflows more
     assert (r["zero"], r["subnormal"], r["overflow"]) == (0.0, 0.25, 0.25)
-    assert P.cast_report(v, torch.bfloat16)["zero"] == 0.0  # bf16 has fp32's range
+    assert ah.precision.cast_report(v, torch.bfloat16)["zero"] == 0.0  # bf16 has fp32's range
 
 
 def test_cast_report_bad_input():
     with pytest.raises(ValueError, match="no non-zero values"):
-        P.cast_report(torch.zeros(3))
+        ah.precision.cast_report(torch.zeros(3))
     with pytest.raises(ValueError, match="scale > 0"):
-        P.cast_report(torch.ones(3), scale=0)
+        ah.precision.cast_report(torch.ones(3), scale=0)
+
+
+def test_scaled_backward_equals_grad_scaler_and_reports_overflow():
+    model, x, y = _tiny(), torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
+    params = list(model.parameters())
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.float16):
+            return nn.functional.cross_entropy(model(x), y)
+
+    assert ah.precision.scaled_backward(loss(), params, 2.0**12)
+    by_hand = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler.scale(loss()).backward()
+    scaler.unscale_(torch.optim.SGD(params, lr=0.0))
+    assert all(torch.equal(a, p.grad) for a, p in zip(by_hand, params))  # torch's GradScaler: the same numbers
+    model.zero_grad(set_to_none=True)
+    assert not ah.precision.scaled_backward(loss(), params, 2.0**40)  # fp16 gradients overflow: skip this step
 
 
 # ---------------------------------------------------------------- policy
@@ -107,18 +124,18 @@ def test_cast_report_bad_input():
     ("cuda", {"compute_capability": "7.5"}, "fp16"), ("xla", {}, "bf16"), ("mps", {}, "fp16"),
     ("cpu", {"cpu_bf16_native": True}, "bf16"), ("cpu", {"cpu_bf16_native": False}, "bf16")])
 def test_auto_choice(kind, report, name):
-    assert P.auto_choice(kind, report)[0] == name
-    assert P.policy_for(kind, report=report).scaler is (name == "fp16")
+    assert ah.precision.auto_choice(kind, report)[0] == name
+    assert ah.precision.policy_for(kind, report=report).scaler is (name == "fp16")
 
 
 def test_auto_choice_says_when_cpu_bf16_is_emulated():
-    assert "slower" in P.auto_choice("cpu", {"cpu_bf16_native": False})[1]
+    assert "slower" in ah.precision.auto_choice("cpu", {"cpu_bf16_native": False})[1]
     with pytest.raises(ValueError, match="no precision policy"):
-        P.auto_choice("tpu", {})
+        ah.precision.auto_choice("tpu", {})
 
 
 def test_policy_for_cpu_runs_bf16_autocast():
-    pol = P.policy_for("cpu")
+    pol = ah.precision.policy_for("cpu")
     assert (pol.name, pol.scaler, pol.device_type) == ("bf16", False, "cpu")
     lin = nn.Linear(4, 3)
     with pol.autocast():
@@ -129,9 +146,9 @@ def test_policy_for_cpu_runs_bf16_autocast():
 
 def test_policy_fp32_disables_autocast_and_fp16_scales():
     lin = nn.Linear(4, 3)
-    with P.policy_for("cpu", "fp32").autocast():
+    with ah.precision.policy_for("cpu", "fp32").autocast():
         assert lin(torch.randn(2, 4)).dtype == torch.float32
-    pol = P.policy_for("cpu", "fp16")
+    pol = ah.precision.policy_for("cpu", "fp16")
     scaler = pol.grad_scaler(init_scale=2.0**10)
     assert pol.scaler and scaler.is_enabled()
     assert scaler.scale(torch.tensor(1.5)).item() == 1.5 * 2**10
@@ -139,24 +156,24 @@ def test_policy_fp32_disables_autocast_and_fp16_scales():
 
 def test_policy_for_bad_input():
     with pytest.raises(ValueError, match="prefer='fp8' is not a precision"):
-        P.policy_for("cpu", "fp8")
+        ah.precision.policy_for("cpu", "fp8")
     with pytest.raises(ValueError, match="XLA autocast runs in bf16"):
-        P.policy_for("xla", "fp16")
+        ah.precision.policy_for("xla", "fp16")
     with pytest.raises(ValueError, match="no precision policy for device type 'meta'"):
-        P.policy_for("meta")
+        ah.precision.policy_for("meta")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA bf16")
 def test_policy_for_cuda_bf16_without_support():
     with pytest.raises(ValueError, match="does not support bf16"):
-        P.policy_for("cuda", "bf16")
+        ah.precision.policy_for("cuda", "bf16")
 
 
 XLA_SNIPPET = """
 import torch, torch_xla
-from accelhelpers import precision as P
+import accelhelpers as ah
 dev = torch_xla.device()
-pol = P.policy_for(dev, report={})
+pol = ah.precision.policy_for(dev, report={})
 lin = torch.nn.Linear(8, 4).to(dev)
 with pol.autocast():
     y = lin(torch.randn(2, 8, device=dev))
@@ -172,6 +189,29 @@ def test_xla_policy_really_runs_bf16_on_pjrt_cpu():
     out = subprocess.run([sys.executable, "-c", XLA_SNIPPET], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-4:] == ["bf16", "False", "torch.bfloat16", "torch.float32"]
+
+
+def test_minibatch_step_under_each_policy():
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+
+    def step(policy, **scaler_kwargs):
+        model = _tiny()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = policy.grad_scaler(**scaler_kwargs) if policy is not None else None
+        loss = ah.precision.minibatch_step(model, opt, x, y, policy, scaler)
+        return loss, [p.detach() for p in model.parameters()], scaler
+
+    plain, fp32, bf16 = step(None), step(ah.precision.policy_for("cpu", "fp32")), step(ah.precision.policy_for("cpu"))
+    ref = _tiny()  # the same step written out with torch alone
+    nn.functional.cross_entropy(ref(x), y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], ref.parameters()))
+    assert plain[0].item() == fp32[0].item() and all(torch.equal(a, b) for a, b in zip(plain[1], fp32[1]))
+    assert bf16[0].dtype == torch.float32 and bf16[0].item() != plain[0].item()  # bf16 forward, fp32 loss
+    assert all(not torch.equal(a, b) for a, b in zip(bf16[1], _tiny().parameters()))  # and the step was taken
+    loss, params, scaler = step(ah.precision.Policy("cpu", torch.float16, True, "test"), init_scale=2.0**40)
+    assert scaler.get_scale() == 2.0**39  # fp16 gradients overflowed: the scaler halved the scale ...
+    assert all(torch.equal(a, b) for a, b in zip(params, _tiny().parameters()))  # ... and skipped the step
 
 
 # ---------------------------------------------------------------- what autocast does
@@ -190,10 +230,10 @@ def test_op_dtypes_under_cpu_autocast():
                 return nn.functional.cross_entropy(model(x), y)
         return run
 
-    mixed = P.op_dtypes(loss(P.policy_for("cpu", "bf16")))
+    mixed = ah.precision.op_dtypes(loss(ah.precision.policy_for("cpu", "bf16")))
     assert [o for op, _, o in mixed if op == "addmm"] == ["bfloat16", "bfloat16"]
     assert [o for op, _, o in mixed if op == "_log_softmax"] == ["float32"]  # autocast keeps it in fp32
-    plain = P.op_dtypes(loss(P.policy_for("cpu", "fp32")))
+    plain = ah.precision.op_dtypes(loss(ah.precision.policy_for("cpu", "fp32")))
     assert {o for _, _, o in plain} == {"float32"} and "_to_copy" not in [op for op, _, _ in plain]
 
 
@@ -216,55 +256,75 @@ def test_autocast_halves_the_saved_bytes_and_adds_weight_copies():
 
 def test_gradients_match_autograd():
     model, x, y = _tiny(), torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 0, 1])
-    g = P.gradients(model, x, y)
+    g = ah.precision.gradients(model, x, y)
     ref = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
     assert torch.allclose(g["parameters"], torch.cat([r.flatten() for r in ref]))
     assert g["activations"].numel() == 6 * (16 + 4)
-    assert all(torch.equal(g[k], P.gradients(model, x, y, scale=2.0**10)[k]) for k in g)  # power-of-2 scale: exact
-    g16 = P.gradients(model, x, y, torch.float16, scale=2.0**8)  # fp16 autocast: close, not equal
+    scaled = ah.precision.gradients(model, x, y, scale=2.0**10)
+    assert all(torch.equal(g[k], scaled[k]) for k in g)  # a power-of-2 scale is exact
+    g16 = ah.precision.gradients(model, x, y, torch.float16, scale=2.0**8)  # fp16 autocast: close, not equal
     assert not torch.equal(g16["parameters"], g["parameters"])
     assert torch.allclose(g16["parameters"], g["parameters"], rtol=0.05, atol=1e-3)
     with pytest.raises(ValueError, match="no Linear/Conv"):
-        P.gradients(nn.Sequential(nn.ReLU()), x, y)
+        ah.precision.gradients(nn.Sequential(nn.ReLU()), x, y)
     with pytest.raises(ValueError, match="scale must be positive"):
-        P.gradients(model, x, y, scale=0)
+        ah.precision.gradients(model, x, y, scale=0)
 
 
 def test_scaler_trace_skips_on_overflow_and_grows():
     model, x, y = _tiny(), torch.randn(32, 8), torch.randint(0, 4, (32,))
-    tr = P.scaler_trace(model, x, y, 12, init_scale=2.0**22, growth_interval=3)
+    tr = ah.precision.scaler_trace(model, x, y, 12, init_scale=2.0**22, growth_interval=3)
     assert tr[0]["skipped"] and tr[1]["scale"] == tr[0]["scale"] / 2  # 2**22 overflows fp16 gradients
     assert tr[1]["loss"] == tr[0]["loss"]  # a skipped step leaves the weights untouched
     assert any(b["scale"] > a["scale"] for a, b in zip(tr, tr[1:]))  # after clean steps the scale grows again
     with pytest.raises(ValueError, match="steps must be >= 1"):
-        P.scaler_trace(model, x, y, 0)
+        ah.precision.scaler_trace(model, x, y, 0)
 
 
 # ---------------------------------------------------------------- measurements
 
 def test_train_eval_fp32_and_bf16_learn_digits():
     split, kw = ah.data.digits(), {"seed": 0, "epochs": 5, "batch_size": 512, "lr": 2e-2}
-    r32 = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "fp32"), **kw)
-    again = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "fp32"), **kw)
-    r16 = P.train_eval(split, [64, 32, 10], P.policy_for("cpu", "bf16"), **kw)
-    assert r32 == again and r32["accuracy"] > 0.8 and r16["accuracy"] > 0.8
+    r32 = ah.precision.train_eval(split, [64, 32, 10], ah.precision.policy_for("cpu", "fp32"), **kw)
+    again = ah.precision.train_eval(split, [64, 32, 10], ah.precision.policy_for("cpu", "fp32"), **kw)
+    r16 = ah.precision.train_eval(split, [64, 32, 10], ah.precision.policy_for("cpu", "bf16"), **kw)
+    assert (r32["accuracy"], r32["loss"]) == (again["accuracy"], again["loss"])
+    assert torch.equal(r32["predictions"], again["predictions"])
+    assert r32["accuracy"] > 0.8 and r16["accuracy"] > 0.8
     assert r16["loss"] != r32["loss"] and abs(r16["loss"] - r32["loss"]) < 0.1  # bf16 really ran, and close
+    for r in (r32, r16):  # the predictions are the ones the accuracy was measured on
+        assert r["predictions"].shape == split.y_test.shape
+        assert (r["predictions"] == split.y_test.cpu()).float().mean().item() == pytest.approx(r["accuracy"])
 
 
 def test_matmul_precision_restores_setting():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         before = torch.get_float32_matmul_precision()
-        rows = P.matmul_precision(128, min_time=0.001)
+        rows = ah.precision.matmul_precision(128, min_time=0.001)
         assert torch.get_float32_matmul_precision() == before
     assert [r["setting"] for r in rows] == ["highest", "high", "medium"]
     assert rows[0]["rel_error"] < 1e-5 and all(r["gflops"] > 0 for r in rows)
+    assert rows[0]["speedup"] == (1.0, 1.0, 1.0)  # 'highest' against itself, round by round
+    assert all(len(r["speedup"]) == 3 and r["speedup"][1] <= r["speedup"][0] <= r["speedup"][2] for r in rows)
 
 
-def test_ratio():
-    assert P.ratio(3.0, 1.5) == 2.0
-    with pytest.raises(ValueError, match="positive finite denominator"):
-        P.ratio(1.0, 0.0)
+# ---------------------------------------------------------------- activation checkpointing
+
+def test_checkpointed_keeps_the_gradients_and_holds_fewer_bytes():
+    torch.manual_seed(0)
+    deep, x, y = ah.models.mlp([8] + [32] * 8 + [4]), torch.randn(16, 8), torch.randint(0, 4, (16,))
+    grads, held = {}, {}
+    for segments in (None, 4, 2):
+        deep.zero_grad(set_to_none=True)
+        loss = lambda s=segments: nn.functional.cross_entropy(ah.precision.checkpointed(deep, x, s), y)  # noqa: E731
+        loss().backward()
+        grads[segments] = [p.grad.clone() for p in deep.parameters()]
+        held[segments] = ah.metrics.saved_bytes(loss, deep.parameters())
+    for segments in (4, 2):  # recomputation in backward gives the same gradients as keeping the activations
+        assert all(torch.allclose(a, b, rtol=0, atol=1e-7) for a, b in zip(grads[segments], grads[None]))
+        assert held[segments] < held[None]
+    assert torch.equal(ah.precision.checkpointed(deep, x, None), deep(x))
 
 
 # ---------------------------------------------------------------- fastai
@@ -309,9 +369,9 @@ def test_fastai_upstream_behaviour_on_cpu_is_what_the_chapter_says():
 @pytest.mark.parametrize("prefer,dtype,scaled", [(None, torch.bfloat16, False), ("fp16", torch.float16, True)])
 def test_to_mixed_runs_on_cpu(prefer, dtype, scaled):
     learn, seen = _learner()
-    P.to_mixed(learn.to_fp16(), prefer)  # replaces fastai's own callback
+    ah.precision.to_mixed(learn.to_fp16(), prefer)  # replaces fastai's own callback
     _fit(learn)
     assert seen == {dtype} and learn.precision_policy.scaler is scaled
     assert sum(type(cb).__name__.endswith("MixedPrecision") for cb in learn.cbs) == 1
-    P.to_mixed(learn, "fp32")
+    ah.precision.to_mixed(learn, "fp32")
     assert not any(type(cb).__name__.endswith("MixedPrecision") for cb in learn.cbs)

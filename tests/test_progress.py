@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 import accelhelpers as ah
-from accelhelpers import train
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -24,9 +23,9 @@ QUIET = ("no_bar()", "progress=False", "# no bar:")
 def _train_with_a_bar(disable: bool) -> str:
     """stderr of a fresh process that trains 3 epochs with a progress bar (tqdm reads TQDM_* at import)."""
     env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"} | ({"TQDM_DISABLE": "1"} if disable else {})
-    code = ("import accelhelpers as ah\nfrom accelhelpers import train\n"
+    code = ("import accelhelpers as ah\n"
             "assert ah.session.progress([1], None) == [1] and ah.session.progress([1], False) == [1]\n"
-            "train.FullBatchLoop(ah.models.udl_mlp(1, seed=0), ah.data.mnist1d()).run(3, progress='depth 1')")
+            "ah.fullbatch.FullBatchLoop(ah.models.udl_mlp(1, seed=0), ah.data.mnist1d()).run(3, progress='depth 1')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stderr
@@ -40,8 +39,8 @@ def test_a_bar_is_drawn_when_asked_and_tqdm_disable_silences_it():
 def test_a_loop_with_a_bar_trains_exactly_as_one_without():
     data = ah.data.mnist1d()
     m = ah.models.udl_mlp(2, seed=4)
-    a = train.FullBatchLoop(train.clone(m), data).run(5)
-    b = train.FullBatchLoop(train.clone(m), data).run(5, progress=True)
+    a = ah.fullbatch.FullBatchLoop(ah.fullbatch.clone(m), data).run(5)
+    b = ah.fullbatch.FullBatchLoop(ah.fullbatch.clone(m), data).run(5, progress=True)
     assert (a.loss == b.loss).all()
 
 
