@@ -75,7 +75,7 @@ def _depths(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status: 0, 1 for a failed run, 2 for bad input (one line saying what to do),
     130 when interrupted. Any other exception is a bug in the package and leaves with its traceback."""
-    from .course import CommandError
+    from .commands import CommandError
     from .device import DeviceUnavailable
 
     args = _parser().parse_args(argv)
@@ -86,14 +86,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(hardware_report(), indent=1) if args.json else format_report())
             return 0
         if args.cmd == "bench":
-            from .bench import main as bench_main
+            from .commands.bench import main as bench_main
 
             return bench_main(args)
         if args.cmd == "reproduce":
-            from .reproduce import main as reproduce_main
+            from .commands.reproduce import main as reproduce_main
 
             return reproduce_main(args)
-        from . import course
+        from .commands import course
 
         if args.action == "readme":
             if course.write_readme(check=args.check):
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 def _note_missing_headlines(course: Any, out: Path | None) -> None:
     """Say which headline results a chapter that ran did not record (they are left out of the headline table)."""
     for m in course.missing_headlines(out):
-        print(f"note: headline result not recorded, chapter {m} (HEADLINES in accelhelpers/course.py)",
+        print(f"note: headline result not recorded, chapter {m} (HEADLINES in accelhelpers/commands/course.py)",
               file=sys.stderr)
 
 

@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['FORMATS', 'PREFERENCES', 'ieee_facts', 'format_facts', 'format_table', 'spacing', 'representable', 'scaled_backward',
            'gradients', 'cast_report', 'Policy', 'auto_choice', 'policy_for', 'minibatch_step', 'scaler_trace',
-           'op_dtypes', 'to_mixed', 'train_eval', 'checkpointed', 'matmul_precision']
+           'op_dtypes', 'to_mixed', 'checkpointed', 'matmul_precision']
 
 # %% ../notebooks/04_mixed_precision.ipynb #c04007
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -302,20 +302,6 @@ def to_mixed(learn: Any, prefer: str | None = None, **scaler_kwargs: Any) -> Any
         learn.add_cb(PolicyMixedPrecision(policy, **scaler_kwargs))
     learn.precision_policy = policy
     return learn
-
-# %% ../notebooks/04_mixed_precision.ipynb #c04076
-def train_eval(split: Any, sizes: Sequence[int], policy: Policy, seed: int, epochs: int = 10,
-               batch_size: int = 256, lr: float = 3e-3) -> dict[str, Any]:
-    """Train an MLP of `sizes` with Adam under `policy` (autocast, scaler if fp16) on a Split with `train.fit`:
-    test accuracy, test loss and the predicted classes (to compare runs image by image, not only by accuracy)."""
-    ah.session.seed_everything(seed)
-    model = ah.models.mlp(list(sizes)).to(split.device)
-    hist = ah.train.fit(model, split, torch.optim.Adam(model.parameters(), lr=lr), epochs, batch_size, seed=seed,
-                        policy=policy)
-    model.eval()
-    with torch.no_grad(), policy.autocast():
-        predictions = model(split.x_test).argmax(-1).cpu()
-    return {"accuracy": hist.acc[-1], "loss": hist.loss[-1], "predictions": predictions}
 
 # %% ../notebooks/04_mixed_precision.ipynb #c04080
 def checkpointed(model: nn.Sequential, x: torch.Tensor, segments: int | None) -> torch.Tensor:

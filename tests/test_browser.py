@@ -267,12 +267,12 @@ def test_the_error_check_catches_an_exception(lab, page):
 
 def test_course_report_renders(tmp_path, page):
     """build/report.html of a real run of chapter 01, opened from disk as `make course` leaves it."""
-    from accelhelpers import course
+    import accelhelpers as ah
 
     out = tmp_path / "build"
-    statuses = course.run(profile="quick", only="01", out=out, progress=False)
+    statuses = ah.commands.course.run(profile="quick", only="01", out=out, progress=False)
     assert statuses[0]["ok"], statuses
-    _, html_path = course.report(out)
+    _, html_path = ah.commands.course.report(out)
     page.goto(html_path.resolve().as_uri())
     page.wait_for_load_state("load")
     assert page.title() == "accel-course report"
@@ -280,7 +280,7 @@ def test_course_report_renders(tmp_path, page):
     assert page.get_by_role("heading", name="Hardware", exact=True).is_visible()
     chapters = page.locator("table").filter(has=page.locator("th", has_text=re.compile(r"^status$")))
     assert chapters.is_visible(), "no chapter table (a table with a 'status' column)"
-    row = chapters.locator("tr", has_text=course.TITLES["01"])
+    row = chapters.locator("tr", has_text=ah.commands.course.TITLES["01"])
     assert row.is_visible() and row.locator("td.ok").inner_text() == "ok"
     images = page.evaluate("() => [...document.images].map(i => [i.getAttribute('src'), i.complete, i.naturalWidth])")
     assert images and all(complete and width > 0 for _, complete, width in images), images

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 import accelhelpers as ah
-from accelhelpers.course import RELEASE, REPO_URL
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-SLUG = REPO_URL.removeprefix("https://github.com/")
+SLUG = ah.commands.course.REPO_URL.removeprefix("https://github.com/")
 
 
 def _cells(nb_path):
@@ -69,13 +68,13 @@ def test_setup_cell_installs_the_release_only_on_colab_and_kaggle(nb, monkeypatc
         assert len(calls) == 1
         cmd = calls[0]
         assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
-        assert f"accelhelpers[{extras}] @ git+{REPO_URL}@{RELEASE}" in cmd
+        assert f"accelhelpers[{extras}] @ git+{ah.commands.course.REPO_URL}@{ah.commands.course.RELEASE}" in cmd
         assert not any(re.match(r"torch\b", arg) for arg in cmd), "the setup cell must never reinstall torch"
 
 
 def test_release_is_this_package_version():
     version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
-    assert RELEASE == f"v{version}" and ah.__version__ == version
+    assert ah.commands.course.RELEASE == f"v{version}" and ah.__version__ == version
 
 
 def _pins(path):

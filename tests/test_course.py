@@ -9,6 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+import accelhelpers as ah
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -111,14 +113,14 @@ def test_real_chapter_01_through_the_cli(tmp_path):
 
 
 def test_headline_values_read_as_a_learner_reads_them():
-    from accelhelpers import course
 
     results = {"02": [{"name": "best_speedup_vs_naive", "value": 12.345, "unit": "x", "note": "n"},
                       {"name": "best_fraction_of_peak", "value": 0.5573, "unit": "fraction", "note": ""}],
                "99": [{"name": "best_speedup_vs_naive", "value": 1.0, "unit": "x", "note": ""}]}
-    rows = course.headlines(results)
+    rows = ah.commands.course.headlines(results)
     assert [(k, v) for k, _, v, _ in rows] == [("02", "12.3×"), ("02", "55.7 %")]
-    assert course._fmt_unit(213.03, "GFLOP/s") == "213 GFLOP/s" and course._fmt_unit(True, "bool") == "True bool"
+    assert ah.commands.course._fmt_unit(213.03, "GFLOP/s") == "213 GFLOP/s"
+    assert ah.commands.course._fmt_unit(True, "bool") == "True bool"
 
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -186,14 +188,13 @@ def test_course_run_never_writes_into_recorded_results(tmp_path):
 
 
 def test_headlines_show_their_range_and_flag_one_that_crosses_one():
-    from accelhelpers import course
 
     results = {"06": [{"name": "ddp_speedup_b512", "value": 1.05, "unit": "x", "note": "", "spread": [0.87, 1.31],
                        "repeats": 5},
                       {"name": "ddp_comm_share_b64", "value": 0.74, "unit": "fraction", "note": ""}],
                "02": [{"name": "best_speedup_vs_naive", "value": 12.0, "unit": "x", "note": "", "spread": [9.7, 16.6],
                        "repeats": 5}]}
-    rows = {label: value for _, label, value, _ in course.headlines(results)}
+    rows = {label: value for _, label, value, _ in ah.commands.course.headlines(results)}
     assert rows["2 processes vs 1 (DDP, per-rank batch 512)"] == \
         "1.05× (range 0.87×–1.31×, 5 repeats) — not a reliable difference on this machine"
     assert rows["fastest loop vs the naive loop (model-steps/s)"] == "12× (range 9.7×–16.6×, 5 repeats)"
@@ -201,7 +202,6 @@ def test_headlines_show_their_range_and_flag_one_that_crosses_one():
 
 
 def test_report_says_when_a_chapter_measured_under_noise(tmp_path):
-    from accelhelpers import course
 
     out = tmp_path / "build"
     (out / "results").mkdir(parents=True)
@@ -209,32 +209,44 @@ def test_report_says_when_a_chapter_measured_under_noise(tmp_path):
                                                            "note": "TOO NOISY to trust small differences: load 4"}]))
     (out / "run.json").write_text(json.dumps({"profile": "quick", "finished": "now", "hardware": {}, "chapters": {
         "01": {"chapter": "01", "notebook": "01_x.ipynb", "ok": True, "error": None, "seconds": 1.0}}}))
-    md, html = course.report(out)
+    md, html = ah.commands.course.report(out)
     assert "Measured under noise, chapter 01:** TOO NOISY" in md.read_text()
     assert "Measured under noise, chapter 01:</b> TOO NOISY" in html.read_text()
 
 
 def test_readme_tables_are_exactly_what_the_command_writes():
     """The README's results tables come from results/ (`python -m accelhelpers course readme`), never typed."""
-    from accelhelpers import course
 
     r = cli("course", "readme", "--check")
     assert r.returncode == 0, r.stderr
-    block = (ROOT / "README.md").read_text().split(course.README_BEGIN)[1].split(course.README_END)[0]
-    assert block.strip() == course.readme_tables().strip() and "| loop | model-steps/s" in block
+    begin, end = ah.commands.course.README_BEGIN, ah.commands.course.README_END
+    block = (ROOT / "README.md").read_text().split(begin)[1].split(end)[0]
+    assert block.strip() == ah.commands.course.readme_tables().strip() and "| loop | model-steps/s" in block
 
 
 def test_readme_check_fails_when_a_table_was_edited_by_hand(tmp_path, monkeypatch):
-    from accelhelpers import course
 
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{course.README_BEGIN}\n| typed | 99× |\n{course.README_END}\nrest\n")
-    assert course.write_readme(readme, check=True) is False
-    assert course.write_readme(readme) is True and course.write_readme(readme, check=True) is True
+    begin, end = ah.commands.course.README_BEGIN, ah.commands.course.README_END
+    readme.write_text(f"intro\n{begin}\n| typed | 99× |\n{end}\nrest\n")
+    assert ah.commands.course.write_readme(readme, check=True) is False
+    assert ah.commands.course.write_readme(readme) is True
+    assert ah.commands.course.write_readme(readme, check=True) is True
     assert readme.read_text().startswith("intro\n") and readme.read_text().endswith("rest\n")
     readme.write_text("no markers")
-    with pytest.raises(course.CourseError, match="no results markers"):
-        course.write_readme(readme)
+    with pytest.raises(ah.commands.course.CourseError, match="no results markers"):
+        ah.commands.course.write_readme(readme)
+
+
+def test_a_damaged_recorded_udlbook_run_is_bad_input_for_the_readme(tmp_path):
+    """udlbook's reader raises its own ResultError; the readme command turns it into one line, like results/."""
+    folder = tmp_path / "results" / "udlbook-20.2_cpu-test_2026-01-02"
+    folder.mkdir(parents=True)
+    (folder / "udlbook-20.2.json").write_text('{"schema": ')
+    with pytest.raises(ah.udlbook.ResultError):
+        ah.udlbook.recorded(tmp_path)
+    with pytest.raises(ah.commands.course.CourseError, match="udlbook-20.2.json is not valid JSON"):
+        ah.commands.course.readme_tables(tmp_path / "results")
 
 
 def test_plain_pytest_nbval_compares_the_quick_cpu_run_on_any_machine(tmp_path):
@@ -262,7 +274,6 @@ def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_s
     import importlib.resources
     import tomllib
 
-    from accelhelpers import course
 
     template = importlib.resources.files("accelhelpers") / "templates" / "report.html.j2"
     assert template.is_file()
@@ -277,7 +288,7 @@ def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_s
         "01": {"chapter": "01", "notebook": "01_x.ipynb", "ok": True, "error": None, "seconds": 1.0},
         "02": {"chapter": "02", "notebook": "02_x.ipynb", "ok": False, "error": "ValueError: <script>x</script>",
                "seconds": 2.0}}}))
-    _, html = course.report(out)
+    _, html = ah.commands.course.report(out)
     page = html.read_text()
     assert page.startswith("<!doctype html>") and "<title>accel-course report</title>" in page
     assert "1 of 2 chapters ran, in 3 s." in page and "Failed chapters:" in page
@@ -290,7 +301,6 @@ def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_s
 def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path, monkeypatch):
     """Only the package's own input errors (CommandError, DeviceUnavailable) become one line and exit 2; any other
     exception, a ValueError from deep inside included, is a bug and keeps its traceback."""
-    from accelhelpers import course
     from accelhelpers.__main__ import main
 
     (tmp_path / "run.json").write_text("{not json")
@@ -306,12 +316,12 @@ def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path,
     def bug(*args, **kwargs):
         raise ValueError("an internal bug, not bad input")
 
-    monkeypatch.setattr(course, "write_readme", bug)
+    monkeypatch.setattr(ah.commands.course, "write_readme", bug)
     with pytest.raises(ValueError, match="internal bug"):
         main(["course", "readme", "--check"])
-    code = ("import sys; from accelhelpers import course; from accelhelpers.__main__ import main\n"
+    code = ("import sys; import accelhelpers as ah; from accelhelpers.__main__ import main\n"
             "def bug(**kw): raise ValueError('an internal bug')\n"
-            "course.write_readme = bug; sys.exit(main(['course', 'readme']))")
+            "ah.commands.course.write_readme = bug; sys.exit(main(['course', 'readme']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr
     assert r.stderr.strip().endswith("ValueError: an internal bug") and "error: an internal bug" not in r.stderr

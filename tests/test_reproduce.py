@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from accelhelpers import checkpoint, reproduce
+import accelhelpers as ah
 
 # A short run: 1/2500 of udlbook's epochs (200 for depth 1, 80 for the others), eager (no compile time),
 # one thread (the arithmetic order must not depend on the machine), test error every 10 epochs.
@@ -34,7 +34,7 @@ def _run(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedPr
 def _same_run(a: Path, b: Path) -> None:
     """Two completed runs hold the same bits: every weight, every epoch's error, the JSON's results."""
     for d in (1, 2, 3, 4):
-        sa, sb = (checkpoint.read_checkpoint(p / f"ckpt_depth{d}.pt") for p in (a, b))
+        sa, sb = (ah.checkpoint.read_checkpoint(p / f"ckpt_depth{d}.pt") for p in (a, b))
         assert sa["step"] == sb["step"] == sa["extra"]["settings"]["epochs"]
         assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
         assert torch.equal(sa["extra"]["wrong"], sb["extra"]["wrong"])
@@ -42,7 +42,7 @@ def _same_run(a: Path, b: Path) -> None:
     with np.load(a / "udlbook-20.2_wrong.npz") as fa, np.load(b / "udlbook-20.2_wrong.npz") as fb:
         assert all(np.array_equal(fa[k], fb[k]) for k in fa.files)
     timing = {"train_s", "sessions", "steps_per_s"}
-    ja, jb = (reproduce.load_result(p)["depths"] for p in (a, b))
+    ja, jb = (ah.udlbook.load_result(p)["depths"] for p in (a, b))
     assert [{k: v for k, v in d.items() if k not in timing} for d in ja] == \
         [{k: v for k, v in d.items() if k not in timing} for d in jb]
 
@@ -58,8 +58,8 @@ def straight(tmp_path_factory):
 
 def test_a_run_writes_the_result_the_figure_and_every_epochs_error(straight):
     out, r = straight
-    res = reproduce.load_result(out)
-    assert res["schema"] == reproduce.SCHEMA and [d["depth"] for d in res["depths"]] == [1, 2, 3, 4]
+    res = ah.udlbook.load_result(out)
+    assert res["schema"] == ah.udlbook.SCHEMA and [d["depth"] for d in res["depths"]] == [1, 2, 3, 4]
     assert [d["epochs"] for d in res["depths"]] == [200, 80, 80, 80]
     for d in res["depths"]:
         assert d["curve"]["epochs"][0] == 1 and d["curve"]["epochs"][-1] == d["epochs"]
@@ -140,16 +140,16 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ValueError, match="is a file"):
-        reproduce.run(f)
+        ah.commands.reproduce.run(f)
 
 
 def test_jobs_split_the_work_evenly_and_the_grid_is_log_spaced():
-    s = reproduce.Settings()
-    groups = reproduce._groups([1, 2, 3, 4], 2, s)
+    s = ah.commands.reproduce.Settings()
+    groups = ah.commands.reproduce._groups([1, 2, 3, 4], 2, s)
     assert sorted(d for g in groups for d in g) == [1, 2, 3, 4] and len(groups) == 2
-    cost = [sum(s.epochs(d) * reproduce.STEP_COST[d] for d in g) for g in groups]
+    cost = [sum(s.epochs(d) * ah.commands.reproduce.STEP_COST[d] for d in g) for g in groups]
     assert max(cost) / min(cost) < 1.5
-    grid = reproduce._grid(500_000)
+    grid = ah.commands.reproduce._grid(500_000)
     assert grid[0] == 1 and grid[-1] == 500_000 and np.all(np.diff(grid) > 0) and len(grid) < 1500
     assert list(grid[:10]) == list(range(1, 11))
 
@@ -158,54 +158,55 @@ def test_the_fast_path_honours_accel_device_cpu(monkeypatch):
     """The notebook tests set ACCEL_DEVICE=cpu on every machine; bench honoured it, reproduce trained on the GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("ACCEL_DEVICE", "cpu")
-    assert reproduce._device() == torch.device("cpu")
+    assert ah.commands.reproduce._device() == torch.device("cpu")
     monkeypatch.delenv("ACCEL_DEVICE")
-    assert reproduce._device() == torch.device("cuda")
+    assert ah.commands.reproduce._device() == torch.device("cuda")
 
 
 def test_load_result_says_what_to_run(tmp_path):
     with pytest.raises(ValueError, match="python -m accelhelpers reproduce udlbook-20.2"):
-        reproduce.load_result(tmp_path)
+        ah.udlbook.load_result(tmp_path)
     (tmp_path / "udlbook-20.2.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="not a udlbook-20.2 result"):
-        reproduce.load_result(tmp_path)
+        ah.udlbook.load_result(tmp_path)
     (tmp_path / "udlbook-20.2.json").write_text('{"schema": ')  # cut short: one line for the CLI, no traceback
-    with pytest.raises(reproduce.CommandError, match="udlbook-20.2.json is not valid JSON .*reproduce udlbook-20.2"):
-        reproduce.load_result(tmp_path)
+    with pytest.raises(ah.udlbook.ResultError, match="udlbook-20.2.json is not valid JSON .*reproduce udlbook-20.2"):
+        ah.udlbook.load_result(tmp_path)
 
 
 def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight, tmp_path):
     import shutil
 
-    assert reproduce.recorded(tmp_path) is None
+    assert ah.udlbook.recorded(tmp_path) is None
     # newest by the time the run finished, whatever the folder names (a second run of a day has the time appended)
     for name, created in (("2026-11-30-2249", "2026-11-30T23:45:00"), ("2026-11-30", "2026-11-30T17:40:02"),
                           ("2026-01-02", "2026-01-02T10:00:00")):
         folder = shutil.copytree(straight[0], tmp_path / "results" / f"udlbook-20.2_cpu-test_{name}")
         result = json.loads((folder / "udlbook-20.2.json").read_text())
         (folder / "udlbook-20.2.json").write_text(json.dumps({**result, "created": created}))
-    result, folder = reproduce.recorded(tmp_path)
-    assert folder.name.endswith("2026-11-30-2249") and result["schema"] == reproduce.SCHEMA
-    assert [f.name for _, f in reproduce.recorded_runs(tmp_path)] == [  # oldest finished first
+    result, folder = ah.udlbook.recorded(tmp_path)
+    assert folder.name.endswith("2026-11-30-2249") and result["schema"] == ah.udlbook.SCHEMA
+    assert [f.name for _, f in ah.udlbook.recorded_runs(tmp_path)] == [  # oldest finished first
         f"udlbook-20.2_cpu-test_{n}" for n in ("2026-01-02", "2026-11-30", "2026-11-30-2249")]
-    errs = reproduce.train_errors(folder)
+    errs = ah.udlbook.train_errors(folder)
     for d in result["depths"]:
         e = errs[d["depth"]]
         assert len(e) == d["epochs"] and e[-1] == pytest.approx(d["final_train_err"])
         assert [round(float(e[i - 1]), 3) for i in d["curve"]["epochs"]] == d["curve"]["train_err"]
-    assert "wall time" in reproduce.describe(result) and "1 process(es) x 1 thread(s)" in reproduce.describe(result)
+    assert "wall time" in ah.udlbook.describe(result) and "1 process(es) x 1 thread(s)" in ah.udlbook.describe(result)
 
 
 def test_an_in_process_run_gives_ctrl_c_and_kill_back(tmp_path):
     # A run in a notebook's kernel or a test process must not keep its handlers: afterwards Ctrl-C interrupts again.
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    settings = reproduce.Settings(epochs_scale=0.00005, test_every=5, threads=None, compile=False)
-    assert reproduce.run(tmp_path / "run", settings=settings, depths=[2]) is None  # depths 1, 3, 4 left untrained
+    settings = ah.commands.reproduce.Settings(epochs_scale=0.00005, test_every=5, threads=None, compile=False)
+    # depths 1, 3, 4 left untrained
+    assert ah.commands.reproduce.run(tmp_path / "run", settings=settings, depths=[2]) is None
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-    assert checkpoint.read_checkpoint(tmp_path / "run" / "ckpt_depth2.pt")["step"] == 10
+    assert ah.checkpoint.read_checkpoint(tmp_path / "run" / "ckpt_depth2.pt")["step"] == 10
 
 
 def test_describe_names_the_torch_the_run_used_not_this_one(straight):
-    result = reproduce.load_result(straight[0])
+    result = ah.udlbook.load_result(straight[0])
     result["hardware"] = {**result["hardware"], "torch": "1.0-test"}
-    assert "torch 1.0-test" in reproduce.describe(result) and torch.__version__ not in reproduce.describe(result)
+    assert "torch 1.0-test" in ah.udlbook.describe(result) and torch.__version__ not in ah.udlbook.describe(result)

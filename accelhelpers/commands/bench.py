@@ -35,10 +35,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import fullbatch
-from .course import CommandError
-from .data import mnist1d
-from .device import best_device
+from .. import fullbatch
+from ..data import mnist1d
+from ..device import best_device
+from . import CommandError
 
 
 def main(args: Any) -> int:
@@ -54,7 +54,7 @@ def main(args: Any) -> int:
                                      round_s=args.round_s or 1.0, min_steps=args.min_steps)
     print(fullbatch.table(result))
     if args.json is not None:
-        from .results import atomic_write_text
+        from ..results import atomic_write_text
 
         atomic_write_text(Path(args.json), json.dumps(result, indent=1))
         print(f"wrote {args.json}")

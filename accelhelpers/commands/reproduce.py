@@ -5,7 +5,7 @@ The experiment (Prince, *Understanding Deep Learning*, notebook 20.2): four MLPs
 MNIST-1D training examples) for 500 000 epochs (1 hidden layer) and 200 000 epochs (2-4 hidden layers).
 
 How it runs: each depth on the fast path (`fullbatch.FullGraphLoop`: one compiled graph per step; depth 4's
-hidden widths padded 63 -> 64 with zero units, which changes nothing but speed, see PAD). The training error of
+hidden widths padded 63 -> 64 with zero units, which changes nothing but speed, see udlbook.PAD). The training error of
 EVERY epoch comes from the step's own forward pass (before that step's update, as udlbook records it); the
 test error is measured every TEST_EVERY epochs (after that epoch's update). `--jobs N` trains the depths in N
 worker processes of one thread each (a tiny model with 2 threads slows 10-100x when another process loads the
@@ -43,24 +43,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, faults, fullbatch, metrics
-from .course import CommandError
-from .data import Split, mnist1d
-from .device import cpu_requested, hardware_report, machine_line
-from .models import count_params, udl_mlp, udl_sizes
-from .results import atomic_write_bytes, atomic_write_text, read_json, repo_root
+from .. import checkpoint, faults, fullbatch, metrics
+from ..data import Split, mnist1d
+from ..device import cpu_requested, hardware_report, machine_line
+from ..models import count_params, udl_mlp, udl_sizes
+from ..results import atomic_write_bytes, atomic_write_text
+from ..udlbook import EPOCHS, EXPERIMENT, LR, SCHEMA, TEST_EVERY, _paths, figure, model_for
+from . import CommandError
 
-EXPERIMENT = "udlbook-20.2"
-SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
-EPOCHS = {1: 500_000, 2: 200_000, 3: 200_000, 4: 200_000}
-LR = 0.0025
-TEST_EVERY = 100
 CHECKPOINT_S = 180.0
 GRID_POINTS = 1500
-# Hidden widths rounded up to a multiple of PAD[d] with zero units (fullbatch.pad_mlp: same model, other speed).
-# Measured on 2-core AMD EPYC, 1 thread, medians of 5 interleaved rounds (steps/s): depth 1 (298) unpadded 232
-# vs 304 wide 121; depth 2 (100) 225 vs 189; depth 3 (75) 178 vs 166; depth 4 (63) padded to 64 189 vs 148.
-PAD = {1: 1, 2: 1, 3: 1, 4: 16}
 STEP_COST = {1: 1.0, 2: 1.0, 3: 1.25, 4: 1.2}  # relative seconds per step, same measurement: balances --jobs
 
 
@@ -76,12 +68,6 @@ class Settings:
     def epochs(self, depth: int) -> int:
         """udlbook's length for `depth`, scaled (at least 1 epoch)."""
         return max(1, round(EPOCHS[depth] * self.epochs_scale))
-
-
-def _paths(out: Path) -> dict[str, Path]:
-    """Where the run's outputs go."""
-    return {"json": out / f"{EXPERIMENT}.json", "png": out / f"{EXPERIMENT}.png",
-            "npz": out / f"{EXPERIMENT}_wrong.npz"}
 
 
 def _ckpt(out: Path, depth: int) -> Path:
@@ -190,11 +176,6 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: fa
     return final
 
 
-def model_for(depth: int) -> torch.nn.Sequential:
-    """udlbook's MLP of this depth, seeded with the depth, padded as PAD says."""
-    return fullbatch.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
-
-
 def _device() -> torch.device:
     """Where the fast path trains: a CUDA GPU if there is one (CUDA graphs) and ACCEL_DEVICE does not ask for the
     CPU, else the CPU (inductor's C++)."""
@@ -231,26 +212,6 @@ def summarize(depth: int, st: dict[str, Any], data: Split) -> dict[str, Any]:
                      "test_err": [round(float(v), 3) for v in test]}}
 
 
-def figure(result: dict[str, Any], ax: Any = None, label: str | None = None, **style: Any) -> Any:
-    """udlbook figure 20.2's plot: % training error against epoch for each depth, log x axis; returns the axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.5))
-    for i, d in enumerate(result["depths"]):
-        c = d["curve"]
-        ax.plot(c["epochs"], c["train_err"], color=f"C{i}", lw=1.5, **style,
-                label=f"{d['depth']} hidden layer{'s' * (d['depth'] > 1)} ({d['hidden']} units)"
-                + (f", {label}" if label else ""))
-    ax.set_xscale("log")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("% training error")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return ax
-
-
 def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, settings: Settings,
                   jobs: int) -> dict[str, Any]:
     """Write the NPZ, the figure and finally the JSON (which marks the run complete); returns the result."""
@@ -284,47 +245,6 @@ def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, set
     atomic_write_bytes(paths["png"], buf.getvalue())
     atomic_write_text(paths["json"], json.dumps(result, indent=1))
     return result
-
-
-def load_result(path: str | Path) -> dict[str, Any]:
-    """A completed run's JSON (a folder holding udlbook-20.2.json, or the file itself)."""
-    path = Path(path)
-    if path.is_dir():
-        path = _paths(path)["json"]
-    if not path.exists():
-        raise CommandError(f"no {EXPERIMENT} result at {path}: run `python -m accelhelpers reproduce {EXPERIMENT}`")
-    result = read_json(path, f"run `python -m accelhelpers reproduce {EXPERIMENT}` into a new --out", CommandError)
-    if result.get("schema") != SCHEMA:
-        raise CommandError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
-    return result
-
-
-def recorded_runs(root: Path | None = None) -> list[tuple[dict[str, Any], Path]]:
-    """Every committed full run, results/udlbook-20.2_<hardware>_<date>/ in the checkout, oldest finished first."""
-    root = root or repo_root()
-    return sorted(((load_result(p), p.parent) for p in root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json")),
-                  key=lambda run: run[0]["created"]) if root else []
-
-
-def recorded(root: Path | None = None) -> tuple[dict[str, Any], Path] | None:
-    """The newest committed full run (None if absent)."""
-    runs = recorded_runs(root)
-    return runs[-1] if runs else None
-
-
-def train_errors(folder: str | Path) -> dict[int, np.ndarray]:
-    """Every epoch's % training error per depth of a completed run (from its _wrong.npz)."""
-    folder = Path(folder)
-    batch = load_result(folder)["settings"]["batch"]
-    with np.load(_paths(folder)["npz"]) as f:
-        return {int(k.removeprefix("depth")): f[k].astype(np.float64) * (100 / batch) for k in f.files}
-
-
-def describe(result: dict[str, Any]) -> str:
-    """Where and how a run ran, in one line: hardware, date, processes and threads, wall time."""
-    s = result["settings"]
-    return (f"{machine_line(result['hardware'])}, {result['created'][:10]}, {s['jobs']} process(es) x "
-            f"{s['threads'] or 'default'} thread(s), wall time {result['wall_s'] / 60:.0f} min")
 
 
 def _groups(depths: list[int], jobs: int, settings: Settings) -> list[list[int]]:

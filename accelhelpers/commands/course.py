@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from . import __version__
-from .device import PROFILES, format_report, hardware_report, machine_line
-from .results import atomic_write_text, load_results, read_json, repo_root
-from .timing import hours
+from .. import __version__
+from ..device import PROFILES, format_report, hardware_report, machine_line
+from ..results import atomic_write_text, load_results, read_json, repo_root
+from ..timing import hours
+from . import CommandError
 
 # The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
 REPO_URL = "https://github.com/accel-course/accel-course"
@@ -36,11 +37,6 @@ TITLES = {
     "09": "Long runs that survive",
     "10": "Deployment toolflows: torchao, OpenVINO, LiteRT, Brevitas to hls4ml",
 }
-
-
-class CommandError(ValueError):
-    """Bad input to one of the package's commands (course, bench, reproduce): the CLI prints its message, which
-    names the fix, as one line and exits with status 2. Any other exception is a bug and keeps its traceback."""
 
 
 class CourseError(CommandError):
@@ -473,9 +469,12 @@ def readme_tables(root: Path | None = None) -> str:
     benches = sorted(root.glob("bench_fullbatch_*.json"), key=lambda p: json.loads(p.read_text())["created"])
     if benches:
         parts.append(_bench_table(benches[-1]))
-    from .reproduce import EXPERIMENT, recorded
+    from ..udlbook import EXPERIMENT, ResultError, recorded
 
-    full = recorded(root.parent)
+    try:
+        full = recorded(root.parent)
+    except ResultError as e:  # a damaged recorded run is the user's to fix, said in one line (as in _results)
+        raise CourseError(str(e)) from e
     if full:
         parts.append(_udlbook_table(full[1] / f"{EXPERIMENT}.json"))
     for pattern, what in (("course_*", "The whole course, `make course`"),
