@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--test-every", type=int, default=100, help="measure the test error every k epochs (default 100)")
     rp.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds between checkpoints (default 180)")
     rp.add_argument("--no-compile", action="store_true", help="run the fast path's functions eagerly (tests)")
+    rp.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="fp32 (udlbook's arithmetic), or bf16 autocast with fp32 weights (default fp32)")
     rp.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
     course = sub.add_parser("course", help="run the course and report")

@@ -7,7 +7,8 @@ the one-graph and many-model steps, and the ablation's interleaved benchmark."""
 __all__ = ['ORIGINAL_MODEL_EPOCHS', 'DEPTH', 'LR', 'History', 'check_run', 'udlbook_loop', 'naive_fullbatch', 'compile_options',
            'FullBatchLoop', 'mlp_linears', 'pad_mlp', 'clone', 'mlp_forward_t', 'loss_t', 'fullgraph_train_step',
            'fullgraph_test_err', 'fullgraph_step', 'FullGraphLoop', 'ManyMLP', 'ManyModelsLoop', 'fastai_learner',
-           'Variant', 'fastai_runner', 'variants', 'prepare', 'run_fullbatch', 'table', 'GraphReport', 'graph_breaks']
+           'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'run_fullbatch', 'table',
+           'GraphReport', 'graph_breaks']
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #imports-02
 import copy
@@ -335,6 +336,21 @@ class Variant:
     description: str
     n_models: int
     make: Callable[[], Callable[[int], object]]
+    precision: str = "fp32"  # the peak the row is measured against
+
+
+def bf16_ok(device: torch.device) -> bool:
+    """Whether bf16 autocast runs here: on every CPU (natively where it has AVX-512 BF16 or AMX), on CUDA from
+    compute capability 8.0."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+
+
+def autocast_bf16(run: Callable[[int], object], device: torch.device) -> Callable[[int], object]:
+    """`run` under bf16 autocast: matmuls and activations in bf16, the fp32 weights updated in fp32."""
+    def go(n: int) -> object:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return run(n)
+    return go
 
 
 def fastai_runner(data: ah.data.Split) -> Callable[[int], object]:
@@ -371,6 +387,9 @@ def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True) -> li
                     lambda: FullGraphLoop(pad_mlp(m()), data, LR).run),
             Variant("test/100", "+ the test error every 100 epochs", 1,
                     lambda: FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run)]
+        if bf16_ok(data.device):
+            rows.append(Variant("bf16", "+ bf16 autocast (chapter 04), fp32 weights", 1, lambda: autocast_bf16(
+                FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run, data.device), "bf16"))
     models = lambda: [pad_mlp(ah.models.udl_mlp(DEPTH, seed=i)) for i in range(n_models)]  # noqa: E731
     rows.append(Variant("many", f"padded, {n_models} models in one step, uncompiled", n_models,
                         lambda: ManyModelsLoop(models(), data, LR).run))
@@ -402,9 +421,10 @@ def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = Tru
     rows = variants(data, n_models, compile)
     prepared = {v.name: prepare(v, data.device, round_s, min_steps)
                 for v in ah.session.progress(rows, "warm-up" if progress else False, unit="row")}
-    if not peak_gflops:  # at the thread count the rows run at: one n x n fp32 matmul, timed in the same rounds
-        n = 1024 if data.device.type == "cpu" else 8192
-        peak = {"peak": ah.timing.matmul_gflops(n, data.device)}
+    n = 1024 if data.device.type == "cpu" else 8192  # peaks at the thread count the rows run at
+    peaks = {"fp32": peak_gflops or ah.timing.matmul_gflops(n, data.device)}
+    if any(v.precision == "bf16" for v in rows):
+        peaks["bf16"] = ah.timing.matmul_gflops(n, data.device, dtype=torch.bfloat16)
     collections = {v.name: 0 for v in rows}
     def counted(name: str, fn: Callable[[], object]) -> Callable[[], object]:
         def run() -> object:
@@ -415,7 +435,6 @@ def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = Tru
         return run
     fns = {name: counted(name, fn) for name, (fn, _, _) in prepared.items()}
     timings = ah.timing.interleaved(fns, data.device, rounds=rounds, min_time=0.0)
-    peak_gflops = peak_gflops or peak["peak"]
     rates = {name: [steps / t for t in timings[name].times] for name, (_, _, steps) in prepared.items()}
     naive = rates[rows[0].name]
     out = []
@@ -425,7 +444,7 @@ def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = Tru
         out.append({"name": v.name, "description": v.description, "n_models": v.n_models,
                     "steps_per_s": statistics.median(rs), "steps_per_s_range": (min(rs), max(rs)),
                     "model_steps_per_s": msps, "gflops": msps * flops / 1e9,
-                    "fraction_of_peak": msps * flops / 1e9 / peak_gflops,
+                    "precision": v.precision, "fraction_of_peak": msps * flops / 1e9 / peaks[v.precision],
                     "speedup_vs_naive": statistics.median(ratios), "speedup_range": (min(ratios), max(ratios)),
                     "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600, "warmup_s": prepared[v.name][1],
                     "steps_per_round": prepared[v.name][2], "full_collections": collections[v.name]})
@@ -435,7 +454,7 @@ def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = Tru
             "round_s": round_s, "min_steps": min_steps,
             "workload": {"model": "udlbook MLP 4x63", "sizes": ah.models.udl_sizes(DEPTH),
                          "batch": len(data.x_train), "lr": LR, "train_flops_per_model_step": flops},
-            "peak_gflops": peak_gflops, "variants": out}
+            "peak_gflops": peaks["fp32"], "peak_gflops_bf16": peaks.get("bf16"), "variants": out}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -453,8 +472,10 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"medians of {result['rounds']} interleaved rounds (at least {result['min_steps']} steps and about "
                  f"{result['round_s']:.1f} s per row per round), {result['threads']} torch thread(s); 'full gc': the "
                  f"garbage collector's full passes during the row's rounds")
+    bf16 = (f"; the bf16 row: of the bf16 matmul peak, {result['peak_gflops_bf16']:.1f} GFLOP/s"
+            if result.get("peak_gflops_bf16") else "")
     lines.append(f"'of peak': of the fp32 matmul peak measured at the same {result['threads']} thread(s), "
-                 f"{result['peak_gflops']:.1f} GFLOP/s; training FLOPs per model step: "
+                 f"{result['peak_gflops']:.1f} GFLOP/s{bf16}; training FLOPs per model step: "
                  f"{result['workload']['train_flops_per_model_step'] / 1e6:.1f} M")
     return "\n".join(lines)
 

@@ -165,12 +165,14 @@ def test_bench_runs_every_variant_and_writes_the_schema(tmp_path):
     assert res["schema"] == "accel-course/bench-fullbatch/3" and res["rounds"] == 2 and res["threads"] >= 1
     names = [v["name"] for v in res["variants"]]
     assert names == ["naive", "naive+eval", "fastai", "tensors", "no_sync", "fast", "padded", "compiled", "fullgraph",
-                     "test/100", "many"]
+                     "test/100", "bf16", "many"]
+    assert res["peak_gflops_bf16"] > 0 and res["variants"][names.index("bf16")]["precision"] == "bf16"
     for v in res["variants"]:
         assert v["model_steps_per_s"] == pytest.approx(v["steps_per_s"] * v["n_models"])
         flops = res["workload"]["train_flops_per_model_step"]
         assert v["gflops"] == pytest.approx(v["model_steps_per_s"] * flops / 1e9)
-        assert v["fraction_of_peak"] == pytest.approx(v["gflops"] / res["peak_gflops"])
+        peak = res["peak_gflops_bf16"] if v["precision"] == "bf16" else res["peak_gflops"]
+        assert v["fraction_of_peak"] == pytest.approx(v["gflops"] / peak)
         lo, hi = v["steps_per_s_range"]
         assert lo <= v["steps_per_s"] <= hi and v["speedup_range"][0] <= v["speedup_vs_naive"] <= v["speedup_range"][1]
         assert v["steps_per_round"] >= 2 and v["full_collections"] >= 0

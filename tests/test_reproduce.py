@@ -125,6 +125,35 @@ def test_refuses_to_overwrite_or_to_mix_settings(straight, tmp_path):
     assert other.returncode == 2 and "epochs=80, not 200" in other.stderr and "--epochs-scale" in other.stderr
 
 
+@pytest.fixture(scope="module")
+def straight_bf16(tmp_path_factory):
+    """One uninterrupted short run in bf16."""
+    out = tmp_path_factory.mktemp("straight_bf16") / "run"
+    r = _run(out, "--precision", "bf16")
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_bf16_runs_in_bf16_and_resumes_to_the_same_bits(straight, straight_bf16, tmp_path):
+    res = ah.udlbook.load_result(straight_bf16[0])
+    assert res["settings"]["precision"] == "bf16"
+    fp32, bf16 = (ah.checkpoint.read_checkpoint(p[0] / "ckpt_depth4.pt")["model"] for p in (straight, straight_bf16))
+    assert all(t.dtype == torch.float32 for t in bf16.values())  # the weights stay fp32 ...
+    assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # ... and the arithmetic was bf16's
+    out = tmp_path / "run"
+    p = subprocess.Popen(_cli(out, "--precision", "bf16", "--checkpoint-every", "0"), env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not list(out.glob("ckpt_depth*.pt")) and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    mixed = _run(out, "--resume")  # an fp32 resume of a bf16 run is refused
+    assert mixed.returncode == 2 and "precision=bf16, not fp32" in mixed.stderr and "--precision" in mixed.stderr
+    r = _run(out, "--resume", "--precision", "bf16")
+    assert r.returncode == 0, r.stderr
+    _same_run(straight_bf16[0], out)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--depths", "5"], "--depths must be among 1,2,3,4"),
     (["--epochs-scale", "0"], "--epochs-scale must be in (0, 1]"),
@@ -147,7 +176,7 @@ def test_jobs_split_the_work_evenly_and_the_grid_is_log_spaced():
     s = ah.commands.reproduce.Settings()
     groups = ah.commands.reproduce._groups([1, 2, 3, 4], 2, s)
     assert sorted(d for g in groups for d in g) == [1, 2, 3, 4] and len(groups) == 2
-    cost = [sum(s.epochs(d) * ah.commands.reproduce.STEP_COST[d] for d in g) for g in groups]
+    cost = [sum(s.epochs(d) * ah.commands.reproduce.STEP_COST["fp32"][d] for d in g) for g in groups]
     assert max(cost) / min(cost) < 1.5
     grid = ah.commands.reproduce._grid(500_000)
     assert grid[0] == 1 and grid[-1] == 500_000 and np.all(np.diff(grid) > 0) and len(grid) < 1500

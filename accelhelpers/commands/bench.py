@@ -12,6 +12,7 @@ JSON schema ("accel-course/bench-fullbatch/3"):
                       "train_flops_per_model_step": int}
   peak_gflops        measured fp32 matmul peak of this device at `threads` (GFLOP/s; the best repeat of a 1024^2
                      matmul on a CPU, 8192^2 on a GPU)
+  peak_gflops_bf16   the same for a bf16 matmul, where a bf16 row ran (else null)
   variants           one object per loop, in ablation order, with
       name, description     short id and what changed
       n_models              models trained by one step
@@ -19,7 +20,8 @@ JSON schema ("accel-course/bench-fullbatch/3"):
       steps_per_s_range     [lowest, highest] round
       model_steps_per_s     steps_per_s * n_models
       gflops                model_steps_per_s * train FLOPs per model step / 1e9 (training FLOPs only)
-      fraction_of_peak      gflops / peak_gflops
+      precision             fp32, or bf16 for the row under bf16 autocast
+      fraction_of_peak      gflops / the peak of the row's precision
       speedup_vs_naive      median over the rounds of (this row / the naive row, same round): a ratio inside one
                             process, so a burst of load elsewhere hits both sides of it alike
       speedup_range         [lowest, highest] of those per-round ratios

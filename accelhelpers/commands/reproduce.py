@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ from . import CommandError
 
 CHECKPOINT_S = 180.0
 GRID_POINTS = 1500
-STEP_COST = {1: 1.0, 2: 1.0, 3: 1.25, 4: 1.2}  # relative seconds per step, same measurement: balances --jobs
+# Relative seconds per step of each depth, measured on the same 2-core AMD EPYC at 1 thread: balances --jobs.
+STEP_COST = {"fp32": {1: 1.0, 2: 1.0, 3: 1.25, 4: 1.2}, "bf16": {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}}
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass
@@ -64,6 +67,13 @@ class Settings:
     test_every: int = TEST_EVERY
     threads: int | None = None
     compile: bool = True
+    precision: str = "fp32"  # bf16: autocast to bfloat16 where it pays, weights and their updates stay fp32
+
+    def autocast(self, device: torch.device) -> Any:
+        """The context the steps run in: bf16 autocast, or nothing for fp32."""
+        if self.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(device.type, dtype=torch.bfloat16)
 
     def epochs(self, depth: int) -> int:
         """udlbook's length for `depth`, scaled (at least 1 epoch)."""
@@ -113,9 +123,10 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
     saved = st["extra"]["settings"]
     mine = {"epochs": (settings.epochs(depth), "--epochs-scale"), "test_every": (settings.test_every, "--test-every"),
             "compile": (settings.compile, "--no-compile"), "threads": (settings.threads, "--threads"),
-            "device": (_device().type, "a machine with the same kind of device")}
+            "device": (_device().type, "a machine with the same kind of device"),
+            "precision": (settings.precision, "--precision")}
     for key, (value, flag) in mine.items():
-        was = saved.get(key, "cpu")
+        was = saved.get(key, "fp32" if key == "precision" else "cpu")  # runs recorded before --precision: fp32
         if was != value:
             raise CommandError(f"depth {depth} in {out} was started with {key}={was}, not {value}: resume "
                              f"with the same {flag} (another value changes the arithmetic and so the result)")
@@ -141,36 +152,38 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: fa
     if start >= epochs:
         return st
     loop = fullbatch.FullGraphLoop(model, data, LR, test_every=max(k, 2), compile=settings.compile)
-    x, y, n = data.x_train, data.y_train, len(data.y_train)
 
     def save(step: int) -> dict[str, Any]:
         extra = {"wrong": wrong, "test_err": test_err, "train_s": spent + time.perf_counter() - t0,
                  "sessions": sessions + 1, "started": started,
                  "settings": {"epochs": epochs, "test_every": k, "compile": settings.compile,
-                              "threads": settings.threads, "depth": depth, "device": data.device.type}}
+                              "threads": settings.threads, "depth": depth, "device": data.device.type,
+                              "precision": settings.precision}}
         checkpoint.save_checkpoint(_ckpt(out, depth), model, step=step, extra=extra)
         return {"step": step, "model": model.state_dict(), "extra": extra}
 
     t0 = last_save = last_note = time.perf_counter()
+    x, y, n = data.x_train, data.y_train, len(data.y_train)
     e = start
-    while e < epochs:
-        end = min(epochs, (e // k + 1) * k)
-        # clone: with CUDA graphs the next replay overwrites a step's outputs (a copy of 4 bytes elsewhere)
-        errs = [loop.train_step(x, y)[1].clone() for _ in range(e, end)]
-        wrong[e:end] = torch.round(torch.stack(errs) * (n / 100)).to(torch.int32).cpu()
-        if end % k == 0:
-            test_err[end // k - 1] = loop.test_error().cpu()
-        bar.update(end - e)
-        e = end
-        now = time.perf_counter()
-        if now - last_note > 5:
-            atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": e, "epochs": epochs}))
-            last_note = now
-        if e < epochs and (stop.requested or now - last_save > checkpoint_s):
-            save(e)
-            last_save = now
-            if stop.requested:
-                raise KeyboardInterrupt
+    with settings.autocast(data.device):  # bf16: autocast in the compiled steps, fp32 weights and updates
+        while e < epochs:
+            end = min(epochs, (e // k + 1) * k)
+            # clone: with CUDA graphs the next replay overwrites a step's outputs (a copy of 4 bytes elsewhere)
+            errs = [loop.train_step(x, y)[1].clone() for _ in range(e, end)]
+            wrong[e:end] = torch.round(torch.stack(errs) * (n / 100)).to(torch.int32).cpu()
+            if end % k == 0:
+                test_err[end // k - 1] = loop.test_error().cpu()
+            bar.update(end - e)
+            e = end
+            now = time.perf_counter()
+            if now - last_note > 5:
+                atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": e, "epochs": epochs}))
+                last_note = now
+            if e < epochs and (stop.requested or now - last_save > checkpoint_s):
+                save(e)
+                last_save = now
+                if stop.requested:
+                    raise KeyboardInterrupt
     final = save(epochs)
     atomic_write_text(out / f"progress_depth{depth}.json", json.dumps({"epoch": epochs, "epochs": epochs}))
     return final
@@ -229,6 +242,7 @@ def write_outputs(out: Path, states: dict[int, dict[str, Any]], data: Split, set
               "wall_s": round(time.time() - started, 1), "hardware": hw,
               "settings": {"lr": LR, "batch": len(data.y_train), "test_every": settings.test_every,
                            "threads": settings.threads, "compile": settings.compile, "jobs": jobs,
+                           "precision": settings.precision,
                            "epochs_scale": settings.epochs_scale, "dataset": "MNIST-1D (mnist1d defaults, seed 42)",
                            "train_err": "every epoch, from the step's own forward pass (before its update)"},
               "depths": depths}
@@ -251,10 +265,11 @@ def _groups(depths: list[int], jobs: int, settings: Settings) -> list[list[int]]
     """Split the depths over `jobs` workers, longest first onto the least loaded (balanced by epochs x STEP_COST)."""
     groups: list[list[int]] = [[] for _ in range(min(jobs, len(depths)))]
     load = [0.0] * len(groups)
-    for d in sorted(depths, key=lambda d: -settings.epochs(d) * STEP_COST[d]):
+    cost = STEP_COST[settings.precision]
+    for d in sorted(depths, key=lambda d: -settings.epochs(d) * cost[d]):
         i = load.index(min(load))
         groups[i].append(d)
-        load[i] += settings.epochs(d) * STEP_COST[d]
+        load[i] += settings.epochs(d) * cost[d]
     return [sorted(g) for g in groups]
 
 
@@ -263,7 +278,7 @@ def _worker_cmd(out: Path, depths: list[int], settings: Settings, checkpoint_s: 
     cmd = [sys.executable, "-m", "accelhelpers", "reproduce", EXPERIMENT, "--out", str(out), "--resume",
            "--worker", "--depths", ",".join(map(str, depths)), "--threads", str(settings.threads or 1),
            "--epochs-scale", repr(settings.epochs_scale), "--test-every", str(settings.test_every),
-           "--checkpoint-every", repr(checkpoint_s)]
+           "--checkpoint-every", repr(checkpoint_s), "--precision", settings.precision]
     return cmd + ([] if settings.compile else ["--no-compile"])
 
 
@@ -372,12 +387,16 @@ def _check_args(out: Path, resume: bool, settings: Settings, depths: list[int], 
         raise CommandError(f"--threads must be at least 1, got {settings.threads}")
     if jobs < 1:
         raise CommandError(f"--jobs must be at least 1, got {jobs}")
+    if settings.precision not in PRECISIONS:
+        raise CommandError(f"--precision must be one of {', '.join(PRECISIONS)}, got {settings.precision!r}")
+    if settings.precision == "bf16" and _device().type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise CommandError("this GPU has no bf16 (it needs compute capability 8.0 or newer): use --precision fp32")
 
 
 def main(args: Any) -> int:
     """CLI entry: run or resume the experiment, print where the outputs are and the final errors."""
     threads = args.threads if args.threads is not None else (1 if args.jobs > 1 else None)
-    settings = Settings(args.epochs_scale, args.test_every, threads, not args.no_compile)
+    settings = Settings(args.epochs_scale, args.test_every, threads, not args.no_compile, args.precision)
     try:
         result = run(args.out, args.resume, settings, args.depths, args.jobs, args.worker, args.checkpoint_every)
     except WorkerFailed as e:  # the worker printed its own traceback: one line here
