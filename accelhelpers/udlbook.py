@@ -81,16 +81,22 @@ def load_result(path: str | Path) -> dict[str, Any]:
     return result
 
 
-def recorded_runs(root: Path | None = None) -> list[tuple[dict[str, Any], Path]]:
-    """Every committed full run, results/udlbook-20.2_<hardware>_<date>/ in the checkout, oldest finished first."""
+def results_folder(precision: str = "fp32") -> str:
+    """The name a run's folder under results/ starts with: udlbook-20.2_ (fp32), udlbook-20.2-bf16_ (bf16)."""
+    return f"{EXPERIMENT}_" if precision == "fp32" else f"{EXPERIMENT}-{precision}_"
+
+
+def recorded_runs(root: Path | None = None, precision: str = "fp32") -> list[tuple[dict[str, Any], Path]]:
+    """Every committed full run in `precision`, results/udlbook-20.2[-bf16]_<hardware>_<date>/ in the checkout,
+    oldest finished first."""
     root = root or repo_root()
-    return sorted(((load_result(p), p.parent) for p in root.glob(f"results/{EXPERIMENT}_*/{EXPERIMENT}.json")),
-                  key=lambda run: run[0]["created"]) if root else []
+    found = root.glob(f"results/{results_folder(precision)}*/{EXPERIMENT}.json") if root else []
+    return sorted(((load_result(p), p.parent) for p in found), key=lambda run: run[0]["created"])
 
 
-def recorded(root: Path | None = None) -> tuple[dict[str, Any], Path] | None:
-    """The newest committed full run (None if absent)."""
-    runs = recorded_runs(root)
+def recorded(root: Path | None = None, precision: str = "fp32") -> tuple[dict[str, Any], Path] | None:
+    """The newest committed full run in `precision` (None if absent)."""
+    runs = recorded_runs(root, precision)
     return runs[-1] if runs else None
 
 
@@ -105,5 +111,6 @@ def train_errors(folder: str | Path) -> dict[int, np.ndarray]:
 def describe(result: dict[str, Any]) -> str:
     """Where and how a run ran, in one line: hardware, date, processes and threads, wall time."""
     s = result["settings"]
-    return (f"{machine_line(result['hardware'])}, {result['created'][:10]}, {s['jobs']} process(es) x "
-            f"{s['threads'] or 'default'} thread(s), wall time {result['wall_s'] / 60:.0f} min")
+    return (f"{machine_line(result['hardware'])}, {result['created'][:10]}, {s.get('precision', 'fp32')}, "
+            f"{s['jobs']} process(es) x {s['threads'] or 'default'} thread(s), "
+            f"wall time {result['wall_s'] / 60:.0f} min")

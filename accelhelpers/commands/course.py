@@ -428,7 +428,8 @@ def _udlbook_table(path: Path) -> list[str]:
     d = json.loads(path.read_text())
     st = d["settings"]
     rel = path.relative_to(path.parents[2])
-    lines = [f"**udlbook's experiment in full, `python -m accelhelpers reproduce udlbook-20.2`**, started "
+    flag = "" if st.get("precision", "fp32") == "fp32" else f" --precision {st['precision']}"
+    lines = [f"**udlbook's experiment in full, `python -m accelhelpers reproduce udlbook-20.2{flag}`**, started "
              f"{d['started'].replace('T', ' ')}, {machine_line(d['hardware'])}; {st['jobs']} process(es), "
              f"{st['threads'] or 'default'} thread(s) each; wall time **{d['wall_s'] / 60:.0f} min** (interruptions "
              f"included); training error every epoch, test error every {st['test_every']} epochs; JSON: "
@@ -472,11 +473,12 @@ def readme_tables(root: Path | None = None) -> str:
     from ..udlbook import EXPERIMENT, ResultError, recorded
 
     try:
-        full = recorded(root.parent)
+        full, bf16 = recorded(root.parent), recorded(root.parent, precision="bf16")
     except ResultError as e:  # a damaged recorded run is the user's to fix, said in one line (as in _results)
         raise CourseError(str(e)) from e
-    if full:
-        parts.append(_udlbook_table(full[1] / f"{EXPERIMENT}.json"))
+    for run in (full, bf16):
+        if run:
+            parts.append(_udlbook_table(run[1] / f"{EXPERIMENT}.json"))
     for pattern, what in (("course_*", "The whole course, `make course`"),
                           ("device-check_*", "The device check, `make device-check`")):
         runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()),
