@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .timing import sync  # noqa: F401  taught in chapter 01: one definition, exported from its cell
+
 DEVICE_KINDS = ("cuda", "xla", "mps", "cpu")
 PROFILES = ("quick", "full")
 ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
@@ -120,22 +122,6 @@ def as_device(device: torch.device | str) -> torch.device:
     except (RuntimeError, TypeError) as e:
         raise DeviceUnavailable(f"device={device!r} is not a device: choose one of {', '.join(DEVICE_KINDS)} "
                                 "(optionally with ':N')") from e
-
-
-def sync(device: torch.device | str) -> None:
-    """Wait until every queued kernel on `device` has finished (a no-op on the CPU, which runs eagerly)."""
-    kind = as_device(device).type
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-    elif kind == "mps":
-        torch.mps.synchronize()
-    elif kind == "xla":
-        import torch_xla
-
-        torch_xla.sync()
-        import torch_xla.core.xla_model as xm
-
-        xm.wait_device_ops()
 
 
 def choose_profile(asked: str | None = None, device_kind: str | None = None) -> str:

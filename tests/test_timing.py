@@ -1,6 +1,9 @@
-"""timing: the benchmark, FLOP counts, measured peaks."""
+"""timing, written in chapter 01's cells and exported by nbdev: the device sync, the benchmark, interleaved
+rounds, the noise check, FLOP counts, measured peaks."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,8 +16,41 @@ from accelhelpers import timing
 def test_benchmark_measures_a_known_sleep():
     t = ah.timing.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
     assert 0.0018 < t.median < 0.01
-    assert t.best <= t.median and len(t.times) == 3 and t.calls_per_repeat >= 1
+    assert t.best <= t.median <= t.worst and len(t.times) == 3 and t.calls_per_repeat >= 1
     assert "median" in str(t)
+
+
+def test_a_timing_reports_the_median_and_the_range():
+    t = ah.timing.Timing([0.002, 0.001, 0.003, 0.0025], calls_per_repeat=8)
+    assert (t.median, t.best, t.worst) == (pytest.approx(0.00225), 0.001, 0.003)
+    assert str(t) == "2.25 ms median (range 1 ms to 3 ms, 4 repeats of 8 calls)"
+
+
+def test_sync_returns_on_cpu_and_refuses_a_non_device():
+    assert ah.timing.sync("cpu") is None and ah.timing.sync(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="is not a device: choose one of cuda, xla, mps, cpu"):
+        ah.timing.sync("tpu")
+
+
+@pytest.mark.parametrize("first, then", [("device", "timing"), ("timing", "device")])
+def test_timing_and_device_import_in_either_order_without_a_circle(first, then):
+    """device re-exports timing's sync, and timing never imports device: either can be imported first."""
+    code = (f"import sys\nimport accelhelpers.{first}\n"
+            "assert 'accelhelpers.timing' in sys.modules\n"
+            f"assert {first == 'device'} or 'accelhelpers.device' not in sys.modules\n"
+            f"import accelhelpers.{then}\nimport accelhelpers as ah\n"
+            "assert ah.device.sync is ah.timing.sync and ah.device.sync('cpu') is None")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_interleaved_alternates_the_functions_round_by_round():
+    order = []
+    t = ah.timing.interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3, min_time=0)
+    assert [len(v.times) for v in t.values()] == [3, 3] and t["a"].calls_per_repeat == 1
+    assert order[-6:] == ["a", "b"] * 3  # min_time=0: one call per round each, taking turns
+    with pytest.raises(ValueError, match="at least one function"):
+        ah.timing.interleaved({})
 
 
 def test_benchmark_warms_up_and_calibrates():
@@ -71,9 +107,15 @@ def test_measured_peaks_are_physically_possible_here():
     bw = timing.copy_gbps(8 * 2**20, min_time=0.01, repeats=2)
     cores = os.cpu_count() or 1
     assert 0 < gf < cores * 64 * 6.0 and 0 < bw < 2000
-    assert ah.timing.fraction_of_peak(50.0, 200.0) == 0.25
-    with pytest.raises(ValueError):
-        ah.timing.fraction_of_peak(1.0, 0.0)
+
+
+def test_measured_peaks_name_the_thread_count_they_hold_for(monkeypatch):
+    sizes = []
+    monkeypatch.setattr(timing, "matmul_gflops", lambda n, device="cpu": sizes.append(n) or float(n))
+    monkeypatch.setattr(timing, "copy_gbps", lambda n_bytes, device="cpu": n_bytes / 2**20)
+    with ah.session.threads(1):
+        assert timing.measure_peaks() == {"matmul_gflops": 2048.0, "copy_gbps": 64.0, "threads": 1}
+    assert sizes == [512, 1024, 2048]
 
 
 def test_unsynced_time_measures_the_calls():

@@ -54,8 +54,9 @@ from . import CommandError
 
 CHECKPOINT_S = 180.0
 GRID_POINTS = 1500
-# Relative seconds per step of each depth, measured on the same 2-core AMD EPYC at 1 thread: balances --jobs.
-STEP_COST = {"fp32": {1: 1.0, 2: 1.0, 3: 1.25, 4: 1.2}, "bf16": {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}}
+# Relative seconds per step of each depth at 1 thread on a 2-core AMD EPYC (bf16: 2026-12-01, medians of 5 rounds of
+# 400 steps, 250/303/304/311 steps/s for depths 1-4): balances --jobs.
+STEP_COST = {"fp32": {1: 1.0, 2: 1.0, 3: 1.25, 4: 1.2}, "bf16": {1: 1.0, 2: 0.82, 3: 0.82, 4: 0.8}}
 PRECISIONS = ("fp32", "bf16")
 
 
