@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,10 @@ class Run:
     returncode: int | None
     output: str
     seconds: float
+
+
+# gloo's connection log, one line per rank and peer (two ranks' lines can interleave): kept in Run.output, not echoed
+GLOO_CONNECTED = re.compile(r"^(\[Gloo\] Rank )+\d+ is connected to \d+ peer ranks")
 
 
 def free_port() -> int:
@@ -93,7 +98,7 @@ def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | No
         if line is None:
             return out, "eof"
         out.append(line)
-        if echo:
+        if echo and not GLOO_CONNECTED.match(line):
             print(line, end="", flush=True)
         if stop_on and stop_on in line:
             return out, "marker"

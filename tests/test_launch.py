@@ -38,6 +38,14 @@ def test_launch_streams_output_sets_the_environment_and_reports_failure(capsys):
         launch.launch(["true"], 0)
 
 
+def test_gloo_connection_lines_are_kept_but_not_echoed(capsys):
+    code = ("print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1'); "
+            "print('[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks.'); print('[Gloo] something else')")
+    run = launch.launch([sys.executable, "-c", code], 30)
+    assert run.output.count("[Gloo]") == 4  # all of it is in the run's output ...
+    assert capsys.readouterr().out == "[Gloo] something else\n"  # ... and only what is not the connection log is shown
+
+
 def test_a_deadline_kills_the_whole_group_even_a_silent_child():
     with pytest.raises(TimeoutError, match="ran past 1"):
         launch.launch([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"], 1, echo=False)
