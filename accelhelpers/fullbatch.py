@@ -7,8 +7,8 @@ the one-graph and many-model steps, and the ablation's interleaved benchmark."""
 __all__ = ['ORIGINAL_MODEL_EPOCHS', 'DEPTH', 'LR', 'History', 'check_run', 'udlbook_loop', 'naive_fullbatch', 'compile_options',
            'FullBatchLoop', 'mlp_linears', 'pad_mlp', 'clone', 'mlp_forward_t', 'loss_t', 'fullgraph_train_step',
            'fullgraph_test_err', 'fullgraph_step', 'FullGraphLoop', 'ManyMLP', 'ManyModelsLoop', 'fastai_learner',
-           'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'run_fullbatch', 'table',
-           'GraphReport', 'graph_breaks']
+           'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'rounds_of', 'run_fullbatch',
+           'table', 'GraphReport', 'graph_breaks']
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #imports-02
 import copy
@@ -399,7 +399,8 @@ def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True) -> li
 def prepare(variant: Variant, device: torch.device, round_s: float, min_steps: int
             ) -> tuple[Callable[[], object], float, int]:
     """Build a row and warm it up (torch.compile compiles here); return (one round's call, warm-up seconds,
-    steps per round): at least `min_steps`, or as many as last about `round_s` seconds."""
+    steps per round): as many as last about `round_s` seconds, and at least `min_steps` unless those would take
+    more than a second (a slow step is measured well by fewer)."""
     t0 = time.perf_counter()
     run = variant.make()
     run(5)
@@ -408,8 +409,22 @@ def prepare(variant: Variant, device: torch.device, round_s: float, min_steps: i
     t0 = time.perf_counter()
     run(5)
     ah.timing.sync(device)
-    steps = max(min_steps, int(round_s / ((time.perf_counter() - t0) / 5)))
+    per_step = (time.perf_counter() - t0) / 5
+    steps = max(int(round_s / per_step), min(min_steps, int(1.0 / per_step)), 1)
     return partial(run, steps), warm, steps
+
+
+def rounds_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each function's call in every round, the functions interleaved: round 1 runs each once, then
+    round 2, ... so that a burst of load elsewhere hits every row alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ah.timing.sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = True, rounds: int = 5,
@@ -434,8 +449,8 @@ def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = Tru
             return out
         return run
     fns = {name: counted(name, fn) for name, (fn, _, _) in prepared.items()}
-    timings = ah.timing.interleaved(fns, data.device, rounds=rounds, min_time=0.0)
-    rates = {name: [steps / t for t in timings[name].times] for name, (_, _, steps) in prepared.items()}
+    times = rounds_of(fns, data.device, rounds)
+    rates = {name: [steps / t for t in times[name]] for name, (_, _, steps) in prepared.items()}
     naive = rates[rows[0].name]
     out = []
     for v in rows:

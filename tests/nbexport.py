@@ -1,7 +1,8 @@
 """Export the chapters' `#| export` cells into accelhelpers/ with nbdev 3's `nb_export` (used by `make export` and
 by tests/test_export.py). `python tests/nbexport.py [NOTEBOOK ...]` exports the given notebooks, or every chapter;
 `python tests/nbexport.py --clean [NOTEBOOK ...]` strips what an execution leaves that is not a lesson's output
-(execution timestamps, widget state), as `make notebooks` does after running each chapter."""
+(execution timestamps, widget state and the frozen widgets it drew), as `make notebooks` does after running each
+chapter."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def clean(nb: Path) -> bool:
     data["metadata"].pop("widgets", None)
     for cell in data["cells"]:
         cell.get("metadata", {}).pop("execution", None)
+        if "outputs" in cell:  # a progress-bar widget without its state is a frozen bar (the live run had it)
+            cell["outputs"] = [o for o in cell["outputs"]
+                               if "application/vnd.jupyter.widget-view+json" not in o.get("data", {})]
     if json.dumps(data, sort_keys=True) == before:
         return False
     nb.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")

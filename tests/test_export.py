@@ -111,4 +111,4 @@ def test_the_cleanliness_check_sees_each_problem(tmp_path):
     path = tmp_path / "99_x.ipynb"
     path.write_text(json.dumps(nb))
     assert len(stored_problems(path)) == 5
-    assert nbexport.clean(path) and len(stored_problems(path)) == 3  # cleaning drops timestamps and widget state
+    assert nbexport.clean(path) and len(stored_problems(path)) == 2  # cleaning drops timestamps and widgets

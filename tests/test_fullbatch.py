@@ -191,7 +191,8 @@ def test_ablation_rows_are_medians_with_enough_steps_and_ratios_per_round(data):
                                      peak_gflops=100.0, progress=False)
     rows = {v["name"]: v for v in res["variants"]}
     assert list(rows) == ["naive", "naive+eval", "fastai", "tensors", "no_sync", "fast", "padded", "many"]
-    assert all(v["steps_per_round"] >= 3 for v in rows.values())  # never a round of one or two steps
+    # never a round of one or two steps, unless each step takes long enough (> 1/3 s) to be timed alone
+    assert all(v["steps_per_round"] >= 3 for v in rows.values() if v["steps_per_s"] > 3.5)
     assert rows["naive"]["speedup_vs_naive"] == 1.0 and rows["naive"]["speedup_range"] == (1.0, 1.0)
     assert rows["many"]["model_steps_per_s"] == pytest.approx(2 * rows["many"]["steps_per_s"])
     assert res["peak_gflops"] == 100.0
@@ -204,3 +205,10 @@ def test_compile_options_write_the_current_thread_count_into_cpu_code():
     with ah.session.threads(1):
         assert ah.fullbatch.compile_options(torch.device("cpu")) == {"options": {"cpp.threads": 1}}
     assert ah.fullbatch.compile_options(torch.device("cuda")) == {"mode": "reduce-overhead"}
+
+
+def test_rounds_interleave_the_rows():
+    calls = []
+    times = ah.fullbatch.rounds_of({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", 3)
+    assert calls == ["a", "b"] * 3 and [len(t) for t in times.values()] == [3, 3]
+    assert all(t >= 0 for ts in times.values() for t in ts)
