@@ -38,12 +38,7 @@ test-compat: $(COMPAT)/.installed
 
 # The course under Colab's own package sets (tests/colab/: the GPU and the TPU image), installed the way the
 # chapters' setup cells install it, every chapter executed top to bottom (quick profile, CPU; XLA's CPU device).
-test-co# The lessons live in the notebooks: `#| export` cells go into accelhelpers/ (nbdev 3). After editing an exported
-# cell, `make export` (or `make export NB=notebooks/03_momentum_adam_one_cycle.ipynb` for one chapter).
-export: venv
-	$(BIN)/python tests/nbexport.py $(NB)
-
-lab: venv
+test-colab: venv
 	$(BIN)/python tests/colab/check.py gpu
 	$(BIN)/python tests/colab/check.py tpu
 
