@@ -9,16 +9,23 @@ import importlib
 from typing import Any
 
 __version__ = "0.2.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "lazy_submodules"]
 
 
-def __getattr__(name: str) -> Any:
-    """Load a submodule such as `ah.optim` on first access."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    try:
-        return importlib.import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name == f"{__name__}.{name}":
-            raise AttributeError(f"module 'accelhelpers' has no attribute or submodule {name!r}") from None
-        raise
+def lazy_submodules(package: str) -> Any:
+    """A module `__getattr__` that imports `package`'s submodule `name` on first access (`ah.optim`)."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return importlib.import_module(f".{name}", package)
+        except ModuleNotFoundError as e:
+            if e.name == f"{package}.{name}":
+                raise AttributeError(f"module {package!r} has no attribute or submodule {name!r}") from None
+            raise
+
+    return __getattr__
+
+
+__getattr__ = lazy_submodules(__name__)

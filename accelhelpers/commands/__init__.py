@@ -6,8 +6,7 @@ the package and nothing below them reaches up. Its modules load on first use (`a
 package's own.
 """
 
-import importlib
-from typing import Any
+from .. import lazy_submodules
 
 
 class CommandError(ValueError):
@@ -15,13 +14,4 @@ class CommandError(ValueError):
     names the fix, as one line and exits with status 2. Any other exception is a bug and keeps its traceback."""
 
 
-def __getattr__(name: str) -> Any:
-    """Load a command module such as `ah.commands.course` on first access."""
-    if name.startswith("_"):
-        raise AttributeError(name)
-    try:
-        return importlib.import_module(f".{name}", __name__)
-    except ModuleNotFoundError as e:
-        if e.name == f"{__name__}.{name}":
-            raise AttributeError(f"module {__name__!r} has no attribute or submodule {name!r}") from None
-        raise
+__getattr__ = lazy_submodules(__name__)  # `ah.commands.course` loads on first use
