@@ -485,7 +485,7 @@ def table(result: dict[str, Any]) -> str:
                      f"{f'{rlo:.1f}-{rhi:.1f}x':>11} {r['steps_per_round']:11d} {r['full_collections']:7d} "
                      f"{ah.timing.hours(r['original_experiment_h']):>11}")
     lines.append(f"medians of {result['rounds']} interleaved rounds (at least {result['min_steps']} steps and about "
-                 f"{result['round_s']:.1f} s per row per round), {result['threads']} torch thread(s); 'full gc': the "
+                 f"{result['round_s']:.2g} s per row per round), {result['threads']} torch thread(s); 'full gc': the "
                  f"garbage collector's full passes during the row's rounds")
     bf16 = (f"; the bf16 row: of the bf16 matmul peak, {result['peak_gflops_bf16']:.1f} GFLOP/s"
             if result.get("peak_gflops_bf16") else "")
