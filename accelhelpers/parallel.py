@@ -50,6 +50,24 @@ def rank_env(nproc: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ""} if rank_device(nproc) == "cpu" and torch.cuda.is_available() else {}
 
 
+def setup_rank(timeout_s: float = 60.0, announce: bool = True) -> tuple[int, int, torch.device]:
+    """Join torchrun's process group with what this rank's hardware wants: `nccl` and GPU number LOCAL_RANK when
+    every rank on this node can have a GPU of its own, else `gloo` on the CPU; rank 0 says which.
+    Returns (rank, world_size, device): put the model on `device` and give DDP `device_ids=[device.index]` on a GPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if rank_device(local_world) == "cuda":
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    rank, world = init_distributed(backend, timeout_s)
+    if announce and rank == 0:
+        print(f"[rank0] {world} ranks, backend {backend}, "
+              f"{'one GPU per rank' if device.type == 'cuda' else 'on the CPU'}", flush=True)
+    return rank, world, device
+
+
 def torchrun(worker: str, *args: object, nproc: int = 2, timeout_s: float = 120.0, echo: bool = True,
              check: bool = True) -> launch.Run:
     """Launch a worker of this module on `nproc` ranks (`torchrun --standalone`), streaming its logs."""
