@@ -101,7 +101,7 @@ def digits(device: torch.device | str = "cpu", test_size: float = 0.2, seed: int
 
 def fastai_patches() -> None:
     """Import the fastai modules that patch Learner with `no_bar`, `fit_one_cycle` and `lr_find`."""
-    import fastai.callback.progress  # noqa: F401
+    import fastai.callback.progress
     import fastai.callback.schedule  # noqa: F401
 
 

@@ -109,7 +109,7 @@ def best_device(prefer: str | None = None) -> torch.device:
             raise DeviceUnavailable(f"device {want!r} is not present on this machine; present here: "
                                     f"{', '.join(have)}. Unset ACCEL_DEVICE or pass one of those.")
     if kind == "xla":
-        import torch_xla  # noqa: F401  (imported only when asked for)
+        import torch_xla
 
         return torch_xla.device()
     return torch.device(kind, int(index)) if index else torch.device(kind)

@@ -239,7 +239,7 @@ class FullGraphLoop(FullBatchLoop):
         # Detached views share the parameters' storage: updating them in place trains `model` itself.
         self.params = [t.detach() for lin in linears for t in (lin.weight, lin.bias)]
         self._step = lambda x, y: fullgraph_step(lr, self.params, x, y, data.x_test, data.y_test)
-        wrap = lambda f: f  # noqa: E731
+        wrap = lambda f: f
         if compile:  # with CUDA graphs the weights must keep their addresses: mark them static
             ah.internals.quiet_dynamo_logs()
             for p in self.params if data.device.type == "cuda" else []:
@@ -365,7 +365,7 @@ def fastai_runner(data: ah.data.Split) -> Callable[[int], object]:
 
 def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True) -> list[Variant]:
     """The ablation's rows, in order, each built from the loops defined above."""
-    m = lambda: ah.models.udl_mlp(DEPTH, seed=0).to(data.device)  # noqa: E731
+    m = lambda: ah.models.udl_mlp(DEPTH, seed=0).to(data.device)
     rows = [
         Variant("naive", "udlbook's loop as written", 1, lambda: lambda n: udlbook_loop(m(), data, n, LR)),
         Variant("naive+eval", "+ shuffle, a train and a test pass every epoch", 1,
@@ -390,7 +390,7 @@ def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True) -> li
         if bf16_ok(data.device):
             rows.append(Variant("bf16", "+ bf16 autocast (chapter 04), fp32 weights", 1, lambda: autocast_bf16(
                 FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run, data.device), "bf16"))
-    models = lambda: [pad_mlp(ah.models.udl_mlp(DEPTH, seed=i)) for i in range(n_models)]  # noqa: E731
+    models = lambda: [pad_mlp(ah.models.udl_mlp(DEPTH, seed=i)) for i in range(n_models)]
     rows.append(Variant("many", f"padded, {n_models} models in one step, uncompiled", n_models,
                         lambda: ManyModelsLoop(models(), data, LR).run))
     return rows

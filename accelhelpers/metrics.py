@@ -83,7 +83,7 @@ def peak_memory(fn: Callable[[], Any], device: torch.device | str) -> int | None
 def _named(a: Any) -> dict[str, torch.Tensor] | list[torch.Tensor]:
     """A model's or state dict's tensors by name (DDP's `module.` prefix dropped), or a tensor, array or sequence
     of them as a list; every tensor as float64 on the CPU."""
-    as64 = lambda t: torch.as_tensor(t).detach().to("cpu", torch.float64)  # noqa: E731
+    as64 = lambda t: torch.as_tensor(t).detach().to("cpu", torch.float64)
     if isinstance(a, nn.Module):
         a = a.state_dict()
     if isinstance(a, Mapping):

@@ -248,7 +248,7 @@ class _OpLog(ah.internals.TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, tuple[str, ...], str]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         ins = tuple(_short(a.dtype) for a in _tensors((args, kwargs)))
         outs = _tensors(out)

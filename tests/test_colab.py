@@ -73,8 +73,13 @@ def test_setup_cell_installs_the_release_only_on_colab_and_kaggle(nb, monkeypatc
 
 
 def test_release_is_this_package_version():
-    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
-    assert ah.commands.course.RELEASE == f"v{version}" and ah.__version__ == version
+    """The version is written once (accelhelpers/__init__.py): the package metadata and the release the setup
+    cells install are read from it."""
+    from importlib.metadata import version
+
+    assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
+    assert version("accelhelpers") == ah.__version__
+    assert ah.commands.course.RELEASE == f"v{ah.__version__}"
 
 
 def _pins(path):

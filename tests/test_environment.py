@@ -50,7 +50,7 @@ def test_core_pins_installed(name):
 def test_compat_pins_are_newer_torch_and_replace_only_torch_and_torchvision():
     compat, main = _pinned("requirements-compat.txt"), _pinned("requirements.txt")
     assert set(compat) == {"torch", "torchvision"}
-    as_tuple = lambda v: tuple(int(p) for p in v.split("."))  # noqa: E731
+    as_tuple = lambda v: tuple(int(p) for p in v.split("."))
     assert all(as_tuple(compat[k]) > as_tuple(main[k]) for k in compat)
 
 

@@ -58,7 +58,7 @@ def print_backs(sources: list[str]) -> list[str]:
 
 def _code(nb: Path) -> list[str]:
     cells = json.loads(nb.read_text())["cells"]
-    strip = lambda src: "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!")))  # noqa: E731
+    strip = lambda src: "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!")))
     return [strip("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
 
 

@@ -17,7 +17,7 @@ MODULES = {p.stem for p in (ROOT / "accelhelpers").glob("[a-z]*.py")} | \
 def _code(nb: Path) -> list[str]:
     """The notebook's code cells, IPython magics and shell lines removed so that `ast` can read them."""
     cells = json.loads(nb.read_text())["cells"]
-    strip = lambda src: "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!")))  # noqa: E731
+    strip = lambda src: "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!")))
     return [strip("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
 
 

@@ -303,7 +303,7 @@ def test_checkpointed_keeps_the_gradients_and_holds_fewer_bytes():
     grads, held = {}, {}
     for segments in (None, 4, 2):
         deep.zero_grad(set_to_none=True)
-        loss = lambda s=segments: nn.functional.cross_entropy(ah.precision.checkpointed(deep, x, s), y)  # noqa: E731
+        loss = lambda s=segments: nn.functional.cross_entropy(ah.precision.checkpointed(deep, x, s), y)
         loss().backward()
         grads[segments] = [p.grad.clone() for p in deep.parameters()]
         held[segments] = ah.metrics.saved_bytes(loss, deep.parameters())
