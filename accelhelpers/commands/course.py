@@ -204,7 +204,7 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
     "06": [("ddp_speedup_b512", "2 processes vs 1 (DDP, per-rank batch 512)"),
            ("ddp_comm_share_b64", "share of a step in the all-reduce, batch 64")],
     "07": [("xla_compile_s", "XLA compile of one training step"),
-           ("xla_execute_ms", "one execution of that step: a recompile costs compile / execute steps")],
+           ("xla_execute_ms", "one execution of that step")],
     "08": [("int8_size_ratio", "model file, fp32 / int8"),
            ("int8_b256_latency_ratio", "MLP: ORT dynamic int8 / fp32 latency, batch 256"),
            ("cnn_int8_b256_latency_ratio", "CNN: ORT dynamic int8 / fp32 latency, batch 256"),
