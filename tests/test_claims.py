@@ -132,7 +132,7 @@ def sharpened(pending: set[str]) -> list:
             for nb in NOTEBOOKS]
 
 
-@pytest.mark.parametrize("nb", sharpened({"06", "08", "09", "10"}), ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", sharpened({"06", "09", "10"}), ids=[p.stem for p in NOTEBOOKS])
 def test_every_number_in_markdown_is_a_listed_fact(nb):
     bad = unlisted(nb)
     assert not bad, (f"{nb.name}: numbers in markdown that no cell printed and tests/claims/{nb.name[:2]}.txt does "
@@ -140,7 +140,7 @@ def test_every_number_in_markdown_is_a_listed_fact(nb):
                      "specifications and cited figures with their source):\n  " + "\n  ".join(bad))
 
 
-@pytest.mark.parametrize("nb", sharpened({"06", "08", "09"}), ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", sharpened({"06", "09"}), ids=[p.stem for p in NOTEBOOKS])
 def test_every_source_is_named_and_inside_the_repository(nb):
     bad = unnamed(nb)
     assert not bad, (f"{nb.name}: name and link the source (the book's chapter, the post, the docs page), and refer "
