@@ -175,8 +175,10 @@ def test_bench_runs_every_variant_and_writes_the_schema(tmp_path):
         assert v["fraction_of_peak"] == pytest.approx(v["gflops"] / peak)
         lo, hi = v["steps_per_s_range"]
         assert lo <= v["steps_per_s"] <= hi and v["speedup_range"][0] <= v["speedup_vs_naive"] <= v["speedup_range"][1]
-        # --min-steps 2, unless a step is so slow (here: over 1/4 s) that 2 might pass a second
-        assert v["steps_per_round"] >= (2 if v["steps_per_s"] > 4 else 1) and v["full_collections"] >= 0
+        # --min-steps 2, unless a step timed at warm-up was so slow that 2 might pass a second (a busy machine can
+        # make any row's warm-up that slow, so each row is only held to 1; the fast rows below to 2)
+        assert v["steps_per_round"] >= 1 and v["full_collections"] >= 0
+    assert max(v["steps_per_round"] for v in res["variants"]) >= 2, "--min-steps 2 was applied to no row"
     assert res["variants"][0]["speedup_vs_naive"] == 1.0 and res["variants"][0]["speedup_range"] == [1.0, 1.0]
     assert "naive" in r.stdout and "vs naive" in r.stdout and "medians of 2 interleaved rounds" in r.stdout
     for args, msg in ((["--min-steps", "0"], "--min-steps must be at least 1"),
