@@ -13,7 +13,7 @@ from tests import nbexport
 ROOT = nbexport.ROOT
 NOTEBOOKS = nbexport.chapters()
 # Chapters 06-10 still print their workers back: issue 28 turns them into cells.
-PENDING = {"06", "09", "10"}
+PENDING = {"06", "09"}
 
 
 def test_every_generated_module_matches_its_notebook(tmp_path):

@@ -1,8 +1,13 @@
-"""accelhelpers.toolflows against the runtimes' own references: torchao vs fp32 PyTorch, OpenVINO vs ONNX Runtime on
-the same file and inputs, LiteRT's int8 I/O arithmetic, Brevitas -> QONNX -> hls4ml bit for bit; and the messages
-for a missing tool."""
+"""accelhelpers.toolflows (exported from chapter 10's cells) against the runtimes' own references: torchao vs fp32
+PyTorch, OpenVINO vs ONNX Runtime on the same file and inputs, LiteRT's int8 I/O arithmetic and the chapter's own
+converter script, Brevitas -> QONNX -> hls4ml bit for bit, QAT's fine-tuning control; and the messages for a missing
+tool or bad input."""
 
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +16,7 @@ from torch import nn
 
 import accelhelpers as ah
 from accelhelpers import toolflows
+from tests.workers import write_workers
 
 
 def _mlp(sizes=(40, 64, 32, 10), seed=0):
@@ -45,7 +51,25 @@ def test_litert_torch_missing_points_at_the_separate_environment(monkeypatch, tm
     monkeypatch.setattr(ah.deploy, "edge_python", lambda root=None: None)
     assert not ah.deploy.have("litert_torch")
     with pytest.raises(ah.deploy.ToolMissing, match="make venv-edge"):
-        toolflows.litert_convert_int8(_mlp(), _x().numpy(), tmp_path / "m.tflite")
+        toolflows.litert_convert_int8(_mlp(), _x().numpy(), tmp_path / "m.tflite", tmp_path / "litert_convert.py")
+
+
+def test_litert_python_is_this_one_where_litert_torch_imports_else_the_edge_environment(monkeypatch, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "litert_torch" else real(name))
+    assert toolflows.litert_python() == Path(sys.executable)
+    exe = tmp_path / ".venv-edge" / "bin" / "python"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "litert_torch" else real(name))
+    monkeypatch.setattr(ah.deploy, "edge_python", lambda root=None: exe)
+    assert toolflows.litert_python() == exe
+
+
+def test_litert_conversion_refuses_bad_calibration_rows_and_a_missing_script(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="calibration rows"):
+        toolflows.litert_convert_int8(_mlp(), np.zeros((1, 40), np.float32), tmp_path / "m.tflite", tmp_path / "s.py")
+    monkeypatch.setattr(toolflows, "litert_python", lambda: Path(sys.executable))
+    with pytest.raises(FileNotFoundError, match="%%writefile"):
+        toolflows.litert_convert_int8(_mlp(), _x().numpy(), tmp_path / "m.tflite", tmp_path / "absent.py")
 
 
 def test_edge_python_is_none_without_the_environment_and_found_with_it(tmp_path):
@@ -56,9 +80,11 @@ def test_edge_python_is_none_without_the_environment_and_found_with_it(tmp_path)
     assert ah.deploy.edge_python(tmp_path) == exe
 
 
-def test_the_module_entry_point_explains_its_usage(capsys):
-    assert toolflows._main(["convert"]) == 2
-    assert "usage: python -m accelhelpers.toolflows litert" in capsys.readouterr().err
+def test_the_chapters_converter_script_explains_its_usage(tmp_path):
+    script = write_workers("10", tmp_path)["litert_convert.py"]
+    done = subprocess.run([sys.executable, str(script), "model.pt2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "usage: python litert_convert.py MODEL.pt2 CALIB.npy OUT.tflite"
 
 
 def test_fingerprint_names_shapes_and_dtypes_and_takes_bf16_weights():
@@ -151,6 +177,20 @@ def test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax(onnx_mlp, tmp_path):
 
 
 @_needs("openvino", "nncf")
+def test_nncf_quantize_hands_rich_its_jupyter_setting_back(onnx_mlp):
+    import rich
+
+    console = rich.get_console()
+    before = console.is_jupyter
+    try:
+        console.is_jupyter = True  # as in a notebook: NNCF's bar would be a widget
+        toolflows.nncf_quantize(onnx_mlp[1], _x(128, seed=4).numpy())
+        assert console.is_jupyter is True
+    finally:
+        console.is_jupyter = before
+
+
+@_needs("openvino", "nncf")
 def test_nncf_needs_calibration_rows(onnx_mlp):
     with pytest.raises(ValueError, match="calibration"):
         toolflows.nncf_quantize(onnx_mlp[1], np.zeros((0, 40), np.float32))
@@ -196,6 +236,34 @@ def test_litert_run_quantizes_the_input_and_dequantizes_the_output_with_their_ow
     np.testing.assert_allclose(y, (q.astype(np.float32) + 2) * np.float32(0.1))
 
 
+def test_native_stderr_is_silenced_in_the_block_and_restored_after(capfd):
+    with toolflows.native_stderr_silenced():
+        os.write(2, b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("ai_edge_litert") and ah.deploy.have("litert_torch")),
+                    reason="needs ai-edge-litert and litert-torch (here or in .venv-edge: make venv-edge)")
+def test_the_chapters_script_converts_to_a_full_integer_model_that_keeps_the_argmax(tmp_path, capfd):
+    m, x = _mlp(), _x(256, seed=6).numpy()
+    script = write_workers("10", tmp_path / "workers")["litert_convert.py"]
+    path = toolflows.litert_convert_int8(m, x, tmp_path / "m.tflite", script)
+    assert toolflows.converted_from(path, m, x)
+    ops = toolflows.litert_ops(path)
+    assert ops["FULLY_CONNECTED"] == ["int8"]
+    interp = toolflows.litert_interpreter(path)
+    assert interp.get_input_details()[0]["dtype"] == np.int8
+    y = toolflows.litert_run(interp, x)
+    with torch.no_grad():
+        ref = m(torch.from_numpy(x)).numpy()
+    assert ah.metrics.agreement(y, ref)["argmax_agreement"] >= 0.9
+    assert "XNNPACK" not in capfd.readouterr().err
+    stamp = path.with_suffix(".sha256").read_text()
+    assert toolflows.litert_convert_int8(m, x, path, tmp_path / "gone.py") == path  # current: kept, not re-run
+    assert path.with_suffix(".sha256").read_text() == stamp
+
+
 @_needs("ai_edge_litert")
 def test_litert_interpreter_reports_a_bad_file(tmp_path):
     bad = tmp_path / "bad.tflite"
@@ -239,3 +307,35 @@ def test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit(tmp_pa
     x = _x(200, seed=5).numpy()
     np.testing.assert_array_equal(ah.deploy.hls_predict(hm, x), toolflows.brevitas_logits(q, x))
     assert any("fixed<4," in t for t in toolflows.hls_typedefs(hm))
+
+
+@_needs("brevitas")
+def test_finetune_trains_a_copy_repeatably_and_leaves_the_original_alone():
+    m, x, y = _mlp((40, 16, 10)), _x(256), torch.arange(256) % 10
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    a = toolflows.finetune(m, x, y, epochs=2, seed=3)
+    b = toolflows.finetune(m, x, y, epochs=2, seed=3)
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())       # original untouched
+    assert not a.training and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    assert not torch.equal(a[0].weight, m[0].weight)                                # trained
+    c = toolflows.finetune(m, x, y, epochs=2, seed=4)
+    assert not torch.equal(a[0].weight, c[0].weight)                                # the seed orders the batches
+
+
+@_needs("brevitas")
+def test_qat_and_its_control_differ_only_in_the_quantizers_during_training():
+    """QAT = finetune(PTQ model); control = PTQ(finetune(fp32 model)): same function, epochs and seed. Both end as
+    Brevitas models on the power-of-two grid; they differ, and the control's weights are the fine-tuned fp32 ones."""
+    sizes, x, y = [40, 16, 10], _x(256), torch.arange(256) % 10
+    fp32 = _mlp(sizes)
+    ptq = toolflows.brevitas_ptq(fp32, sizes, 4, x)
+    qat = toolflows.finetune(ptq, x, y, epochs=2, seed=1)
+    tuned = toolflows.finetune(fp32, x, y, epochs=2, seed=1)
+    control = toolflows.brevitas_ptq(tuned, sizes, 4, x)
+    assert torch.equal(control[1].weight, tuned[0].weight)
+    assert not torch.equal(qat[1].weight, control[1].weight)
+    for model in (qat, control):
+        w = model[1].quant_weight()
+        ints = (w.value / w.scale).detach().numpy()
+        assert np.array_equal(ints, np.round(ints)) and ints.min() >= -8 and ints.max() <= 7
+    assert toolflows.brevitas_logits(qat, x).shape == toolflows.brevitas_logits(control, x).shape == (256, 10)

@@ -211,8 +211,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
            ("hls_16_6_argmax_agreement", "hls4ml ap_fixed<16,6> agrees with float")],
     "09": [("resume_bit_identical", "run killed mid-way and resumed vs uninterrupted, bit-identical"),
            ("preemption_save_s", "SIGTERM to checkpoint saved (Preemption handler)")],
-    "10": [("qat_minus_ptq_4bit", "4-bit FPGA model: QAT accuracy minus the better PTQ"),
-           ("openvino_int8_vs_ort_fp32_b256", "OpenVINO int8 (NNCF) / ONNX Runtime fp32 latency, batch 256")],
+    "10": [("qat_minus_finetuned_ptq_4bit", "4-bit FPGA model: QAT minus fine-tuned fp32 then PTQ, median over seeds"),
+           ("openvino_int8_vs_fp32_b256", "OpenVINO int8 (NNCF) / OpenVINO fp32 latency, batch 256")],
 }
 
 
