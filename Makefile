@@ -19,7 +19,7 @@ $(STAMP): requirements.txt pyproject.toml
 course: venv
 	$(BIN)/python -m accelhelpers course run --profile quick
 
-test: venv lint browser
+test: venv lint browser slurm
 	$(BIN)/python -m pytest tests notebooks --nbval
 
 # The unit tests against the newer torch of requirements-compat.txt, in .venv-compat, without torch_xla:
@@ -61,6 +61,19 @@ browser:
 		|| { echo "apt-get install chromium failed: install it, or set ACCEL_CHROMIUM to a Chromium"; exit 1; }; \
 	else echo "Chromium not found: install it (Debian/Ubuntu: apt-get install chromium) or set ACCEL_CHROMIUM;" \
 		"the browser tests will be skipped"; fi
+
+# A real Slurm for chapter 12 and tests/test_slurm.py: Debian's slurm-wlm and munge, installed when missing and we
+# are root with apt-get (as in CI); ah.slurm starts a one-node cluster from them. Elsewhere a note, and those skip.
+.PHONY: slurm
+slurm:
+	@if command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's slurm-wlm and munge for chapter 12"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -qq slurm-wlm munge >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq slurm-wlm munge; } \
+		|| { echo "apt-get install slurm-wlm munge failed: install them to run chapter 12's jobs"; exit 1; }; \
+	else echo "Slurm not found: as root on Debian/Ubuntu, apt-get install slurm-wlm munge; chapter 12 explains" \
+		"itself and its Slurm tests skip"; fi
 
 # The lessons live in the notebooks: `#| export` cells go into accelhelpers/ (nbdev 3). After editing an exported
 # cell, `make export` (or `make export NB=notebooks/03_momentum_adam_one_cycle.ipynb` for one chapter).

@@ -36,6 +36,7 @@ TITLES = {
     "08": "Quantization, ONNX and FPGA",
     "09": "Long runs that survive",
     "10": "Deployment toolflows: torchao, OpenVINO, LiteRT, Brevitas to hls4ml",
+    "12": "On a cluster: Slurm jobs, preemption and requeue",
 }
 
 
@@ -213,6 +214,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
            ("preemption_save_s", "SIGTERM to checkpoint saved (Preemption handler)")],
     "10": [("qat_minus_finetuned_ptq_4bit", "4-bit FPGA model: QAT minus fine-tuned fp32 then PTQ, median over seeds"),
            ("openvino_int8_vs_fp32_b256", "OpenVINO int8 (NNCF) / OpenVINO fp32 latency, batch 256")],
+    "12": [("slurm_requeue_bit_identical", "Slurm job requeued mid-run and resumed vs uninterrupted, bit-identical"),
+           ("slurm_killed_rank_job_end_s", "a killed rank: sbatch to the job's FAILED state")],
 }
 
 

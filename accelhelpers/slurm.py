@@ -1,0 +1,194 @@
+"""A real Slurm on this one machine (Debian's slurm-wlm: slurmctld + slurmd, with munge), for the cluster chapter and
+its tests: written configuration, started in seconds, stopped and its folder left for reading. Needs root and the
+packages (`make slurm` installs them where apt-get can); anywhere else `unavailable()` says why in one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .launch import free_port
+from .results import build_dir
+
+BINARIES = ("sbatch", "srun", "scontrol", "sinfo", "slurmctld", "slurmd", "munged")
+MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+        "DEADLINE")
+
+
+class SlurmUnavailable(RuntimeError):
+    """No Slurm can run here (not Linux, not root, or the packages are missing); the message says what to do."""
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed or a job did not reach the expected state in time."""
+
+
+def unavailable() -> str | None:
+    """Why a local Slurm cannot run here, in one line; None when it can."""
+    if not sys.platform.startswith("linux"):
+        return f"Slurm runs on Linux; this is {sys.platform}"
+    missing = [b for b in BINARIES if not shutil.which(b)]
+    if missing:
+        return (f"Slurm is not installed ({', '.join(missing)} missing): on Debian/Ubuntu as root, "
+                "`apt-get install slurm-wlm munge` (or `make slurm`)")
+    if os.geteuid() != 0:
+        return "a local slurmctld/slurmd needs root (they start jobs as any user); run as root, or on a real cluster"
+    return None
+
+
+def _munge() -> None:
+    """Start munged (Slurm's authentication) as the munge user, unless it already runs."""
+    if MUNGE_SOCKET.exists() and subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
+        return
+    MUNGE_SOCKET.parent.mkdir(parents=True, exist_ok=True)
+    shutil.chown(MUNGE_SOCKET.parent, "munge", "munge")
+    r = subprocess.run(["runuser", "-u", "munge", "--", "munged", "--force"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SlurmUnavailable(f"munged did not start: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def config(folder: Path, node: str, cpus: int, ctld_port: int, d_port: int) -> str:
+    """slurm.conf for one node with `cpus` CPUs: no cgroups (proctrack/linuxproc, task/none), state under `folder`,
+    job completions logged to a text file (sacct would need slurmdbd and a database)."""
+    return f"""# A one-node Slurm for the course (accelhelpers.slurm); every path under {folder}
+ClusterName=accel
+SlurmctldHost={node}
+SlurmUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+StateSaveLocation={folder}/state
+SlurmdSpoolDir={folder}/spool
+SlurmctldPidFile={folder}/slurmctld.pid
+SlurmdPidFile={folder}/slurmd.pid
+SlurmctldLogFile={folder}/slurmctld.log
+SlurmdLogFile={folder}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+KillWait=10
+JobCompType=jobcomp/filetxt
+JobCompLoc={folder}/jobcomp.txt
+AccountingStorageType=accounting_storage/none
+NodeName={node} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def fields(line: str) -> dict[str, str]:
+    """`Key=Value Key=Value ...` (scontrol -o, the jobcomp log) as a dict."""
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
+@dataclass
+class Cluster:
+    """A running one-node Slurm: its folder (configuration, state, logs) and the commands to talk to it."""
+
+    folder: Path
+    node: str
+    cpus: int
+
+    @property
+    def conf(self) -> Path:
+        return self.folder / "slurm.conf"
+
+    def env(self) -> dict[str, str]:
+        """What a Slurm command needs to find this cluster, and the running Python's folder first on PATH: sbatch
+        hands the submitter's environment to the job (`--export=ALL`), so `python` and `torchrun` in a batch script
+        are this environment's, as after activating it on a cluster's login node."""
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": path}
+
+    def run(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        """A Slurm command (`sbatch`, `scontrol`, ...) against this cluster."""
+        r = subprocess.run(list(args), capture_output=True, text=True, env=self.env(), timeout=timeout)
+        if check and r.returncode != 0:
+            raise SlurmError(f"{' '.join(args)} failed: {(r.stderr or r.stdout).strip()}")
+        return r
+
+    def sbatch(self, script: str | Path, *options: str, args: tuple[object, ...] = ()) -> int:
+        """Submit a batch script with sbatch `options`, passing it `args` (its `$@`); the job id."""
+        cmd = ["sbatch", "--parsable", *options, str(script), *(str(a) for a in args)]
+        return int(self.run(*cmd).stdout.strip().split(";")[0])
+
+    def job(self, job: int) -> dict[str, str]:
+        """What `scontrol show job` says of `job` (JobState, Reason, Restarts, ExitCode, ...)."""
+        return fields(self.run("scontrol", "-o", "show", "job", str(job)).stdout)
+
+    def wait(self, job: int, states: tuple[str, ...] = DONE, timeout: float = 120) -> dict[str, str]:
+        """Poll until `job` is in one of `states`; its fields then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            if info.get("JobState") in states:
+                return info
+            if time.monotonic() > deadline:
+                raise SlurmError(f"job {job} still {info.get('JobState')} after {timeout:.0f} s (waiting for "
+                                 f"{'/'.join(states)}); read {self.folder}/slurmctld.log")
+            time.sleep(0.2)
+
+    def requeue(self, job: int, timeout: float = 60) -> float:
+        """Preempt `job` as a scheduler does (`scontrol requeue`: the job's processes get SIGTERM, the job goes back
+        to the queue), then let it start again now. Returns how many seconds ahead Slurm had set the requeued job's
+        begin time (how long it would have waited without `starttime=now`)."""
+        self.run("scontrol", "requeue", str(job))
+        deadline = time.monotonic() + timeout
+        while (info := self.job(job)).get("JobState") not in ("PENDING", *DONE):
+            if time.monotonic() > deadline:
+                raise SlurmError(f"job {job} did not go back to the queue within {timeout:.0f} s")
+            time.sleep(0.2)
+        ahead = time.mktime(time.strptime(info["StartTime"], "%Y-%m-%dT%H:%M:%S")) - time.time()
+        self.run("scontrol", "update", f"jobid={job}", "starttime=now")
+        return ahead
+
+    def history(self) -> list[dict[str, str]]:
+        """Every finished job, oldest first, from the job completion log (one line per job end)."""
+        log = self.folder / "jobcomp.txt"
+        return [fields(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def stop(self) -> None:
+        """Shut both daemons down (the folder stays, with its logs)."""
+        self.run("scontrol", "shutdown", check=False)
+        deadline = time.monotonic() + 20
+        for pid_file in ("slurmctld.pid", "slurmd.pid"):
+            pid = (self.folder / pid_file).read_text().strip() if (self.folder / pid_file).exists() else ""
+            while pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+
+def start(folder: str | Path | None = None, cpus: int | None = None, timeout: float = 30) -> Cluster:
+    """Configure and start a one-node Slurm in `folder` (default build/slurm) on free ports; wait until the node
+    is idle. Raises SlurmUnavailable (one line: why, and what to do) where it cannot run."""
+    reason = unavailable()
+    if reason:
+        raise SlurmUnavailable(reason)
+    folder = Path(folder) if folder else build_dir() / "slurm"
+    shutil.rmtree(folder, ignore_errors=True)
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir(parents=True)
+    node = socket.gethostname().split(".")[0]
+    cluster = Cluster(folder.resolve(), node, cpus or os.cpu_count() or 1)
+    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, free_port(), free_port()))
+    _munge()
+    for daemon in ("slurmctld", "slurmd"):
+        r = subprocess.run([daemon, "-f", str(cluster.conf)], capture_output=True, text=True, env=cluster.env())
+        if r.returncode != 0:
+            raise SlurmError(f"{daemon} did not start: {(r.stderr or r.stdout).strip()}; read {folder}/{daemon}.log")
+    deadline = time.monotonic() + timeout
+    while cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() != "idle":
+        if time.monotonic() > deadline:
+            cluster.stop()
+            raise SlurmError(f"the node did not become idle within {timeout:.0f} s; read {folder}/slurmctld.log")
+        time.sleep(0.2)
+    return cluster
