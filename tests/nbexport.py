@@ -67,3 +67,13 @@ if __name__ == "__main__":
     export(ROOT, [Path(a).resolve() for a in sys.argv[1:]] or None)
     for module, nb in generated().items():
         print(f"accelhelpers/{module:<14} <- {nb}")
+
+
+def python_of(source: str) -> str:
+    """The Python a code cell runs, for `ast` and `tokenize`: IPython's line magics and shell lines removed; a cell
+    magic's cell is empty, except `%%writefile x.py`, whose body is the Python it writes (a batch script is not)."""
+    first, _, body = source.partition("\n")
+    if first.lstrip().startswith("%%"):
+        parts = first.split()
+        return body if parts[0] == "%%writefile" and parts[-1].endswith(".py") else ""
+    return "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!")))

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import nbexport
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 UNIT = (r"(?:%|×(?!\s?\d)|x\b(?!\s?\d)|ms\b|µs\b|us\b|ns\b|s\b|seconds?\b|minutes?\b|min\b|h\b|hours?\b|days?\b|"
@@ -69,7 +71,7 @@ def sources(text: str) -> list[str]:
 
 def stated_in_code(source: str) -> str:
     """What a code cell states in words: its comments and the fixed text of the strings it prints."""
-    lines = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!")))
+    lines = nbexport.python_of(source)
     words = []
     try:
         for tok in tokenize.generate_tokens(io.StringIO(lines).readline):
@@ -132,7 +134,7 @@ def sharpened(pending: set[str]) -> list:
             for nb in NOTEBOOKS]
 
 
-@pytest.mark.parametrize("nb", sharpened({"06", "09"}), ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", sharpened({"06"}), ids=[p.stem for p in NOTEBOOKS])
 def test_every_number_in_markdown_is_a_listed_fact(nb):
     bad = unlisted(nb)
     assert not bad, (f"{nb.name}: numbers in markdown that no cell printed and tests/claims/{nb.name[:2]}.txt does "
@@ -140,7 +142,7 @@ def test_every_number_in_markdown_is_a_listed_fact(nb):
                      "specifications and cited figures with their source):\n  " + "\n  ".join(bad))
 
 
-@pytest.mark.parametrize("nb", sharpened({"06", "09"}), ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", sharpened({"06"}), ids=[p.stem for p in NOTEBOOKS])
 def test_every_source_is_named_and_inside_the_repository(nb):
     bad = unnamed(nb)
     assert not bad, (f"{nb.name}: name and link the source (the book's chapter, the post, the docs page), and refer "

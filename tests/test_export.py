@@ -13,7 +13,7 @@ from tests import nbexport
 ROOT = nbexport.ROOT
 NOTEBOOKS = nbexport.chapters()
 # Chapters 06-10 still print their workers back: issue 28 turns them into cells.
-PENDING = {"06", "09"}
+PENDING = {"06"}
 
 
 def test_every_generated_module_matches_its_notebook(tmp_path):
@@ -58,8 +58,7 @@ def print_backs(sources: list[str]) -> list[str]:
 
 def _code(nb: Path) -> list[str]:
     cells = json.loads(nb.read_text())["cells"]
-    strip = lambda src: "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!")))
-    return [strip("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
+    return [nbexport.python_of("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
 
 
 @pytest.mark.parametrize("nb", [pytest.param(nb, marks=pytest.mark.xfail(

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import nbexport
+
 ROOT = Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # ah.<module>: the package's modules and its sub-packages (folders with an __init__.py, such as commands/)
@@ -17,8 +19,7 @@ MODULES = {p.stem for p in (ROOT / "accelhelpers").glob("[a-z]*.py")} | \
 def _code(nb: Path) -> list[str]:
     """The notebook's code cells, IPython magics and shell lines removed so that `ast` can read them."""
     cells = json.loads(nb.read_text())["cells"]
-    strip = lambda src: "\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!")))
-    return [strip("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
+    return [nbexport.python_of("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
 
 
 def problems(sources: list[str]) -> list[str]:

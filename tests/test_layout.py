@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from tests import nbexport
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "accelhelpers"
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -121,8 +123,7 @@ def commands_references(source: str, module: str | None = None, is_package: bool
 def _code(nb: Path) -> str:
     """A notebook's code cells, IPython magics and shell lines removed so that `ast` can read them."""
     cells = json.loads(nb.read_text())["cells"]
-    return "\n".join(ln for c in cells if c["cell_type"] == "code" for ln in "".join(c["source"]).splitlines()
-                     if not ln.lstrip().startswith(("%", "!")))
+    return "\n".join(nbexport.python_of("".join(c["source"])) for c in cells if c["cell_type"] == "code")
 
 
 # --- the package --------------------------------------------------------------------------------------------------

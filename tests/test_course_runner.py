@@ -1,0 +1,96 @@
+"""The course runner's reliability: --only and --out cannot reach outside the course, a re-run replaces the results
+instead of piling them up, and Ctrl-C (even one that a library turns into another error) leaves the last complete
+report as it was."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import accelhelpers as ah
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "USE_TORCH_XLA": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_only_cannot_reach_outside_the_notebooks(tmp_path):
+    for only in ("../README.md", "/etc/passwd", "01/../../pyproject", "~", "notebooks/01"):
+        with pytest.raises(ah.commands.course.CourseError, match="no chapter"):
+            ah.commands.course.check_args("quick", only, tmp_path / "out")
+    for nb in ah.commands.course.check_args("quick", None, tmp_path / "out").values():
+        assert nb.resolve().parent == ah.commands.course.notebooks_dir().resolve()
+
+
+@pytest.mark.parametrize("out", [".", "notebooks", "accelhelpers", "accelhelpers/sub", "tests"])
+def test_out_cannot_write_over_the_sources(out):
+    with pytest.raises(ah.commands.course.CourseError, match="would write over the course's sources"):
+        ah.commands.course.check_args("quick", None, ROOT / out)
+
+
+def _toy_notebook(path: Path, *sources: str) -> None:
+    """A notebook with the given code cells."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nbformat.write(nb, path)
+
+
+def test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole(tmp_path, monkeypatch):
+    nbs, out, mark = tmp_path / "notebooks", tmp_path / "out", tmp_path / "mark"
+    nbs.mkdir()
+    _toy_notebook(nbs / "00_slow.ipynb", f"import pathlib, time\npathlib.Path({str(mark)!r}).touch()\ntime.sleep(30)")
+    _toy_notebook(nbs / "01_toy.ipynb", "import os, accelhelpers as ah\nah.session.setup('01', verbose=False)",
+                  "ah.results.record('value', float(os.environ['TOY_VALUE']), 'x')")
+    monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
+    for value in ("1.5", "2.5"):  # a re-run replaces the results, it does not pile them up
+        monkeypatch.setenv("TOY_VALUE", value)
+        assert [s["ok"] for s in ah.commands.course.run("quick", "01", out, progress=False)] == [True]
+        ah.commands.course.report(out)
+    assert "| value | 2.5 | x |" in (out / "report.md").read_text() and "1.5" not in (out / "report.md").read_text()
+    assert [e["value"] for e in json.loads((out / "results" / "01.json").read_text())] == [2.5]
+    assert list(json.loads((out / "run.json").read_text())["chapters"]) == ["01"]
+    before = {p: p.read_bytes() for p in (out / "run.json", out / "report.md", out / "report.html")}
+    proc = subprocess.Popen([sys.executable, "-m", "accelhelpers", "course", "run", "--out", str(out)], cwd=ROOT,
+                            env={**ENV, "ACCEL_NOTEBOOKS": str(nbs)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mark.exists(), "chapter 00 never started"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C while a chapter runs
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted: run.json and the report were left as they were" in err, err[-3000:]
+    assert {p: p.read_bytes() for p in before} == before  # the last complete run's report, untouched
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_ctrl_c_that_a_library_turns_into_an_error_still_stops_the_course_run(tmp_path, monkeypatch):
+    import papermill
+
+    def interrupted_execute(*args, **kwargs):  # nbclient/jupyter_client may re-raise Ctrl-C as another error
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise RuntimeError("Kernel died before replying") from None
+
+    nbs, out = tmp_path / "notebooks", tmp_path / "out"
+    nbs.mkdir()
+    _toy_notebook(nbs / "00_a.ipynb", "pass")
+    _toy_notebook(nbs / "01_b.ipynb", "pass")
+    monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
+    monkeypatch.setattr(papermill, "execute_notebook", interrupted_execute)
+    before = signal.getsignal(signal.SIGINT)  # SIG_IGN where the tests run in the background (nohup, CI)
+    with pytest.raises(KeyboardInterrupt):
+        ah.commands.course.run("quick", None, out, progress=False)
+    assert not (out / "run.json").exists()  # the interrupted run wrote nothing; chapter 01 never started
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C handling given back as it was
