@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
+
+from .longrun import atomic_write  # taught in chapter 09 (temporary file, fsync, rename): one definition, exported
 
 _state: dict[str, str | None] = {"chapter": None}
 
@@ -45,38 +44,6 @@ def set_chapter(chapter: str) -> None:
 def current_chapter() -> str:
     """The chapter set by `setup`/`set_chapter`, or 'scratch' outside a chapter."""
     return _state["chapter"] or "scratch"
-
-
-def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
-    """`write(file)` into a temporary file beside `path`, fsync it, rename it over `path` (`os.replace` is atomic),
-    fsync the folder: readers see the old file or the new one, never a part. Temporaries left by a writer that
-    was killed are removed first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
