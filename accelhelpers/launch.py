@@ -30,8 +30,35 @@ class Run:
     seconds: float
 
 
-# gloo's connection log, one line per rank and peer (two ranks' lines can interleave): kept in Run.output, not echoed
-GLOO_CONNECTED = re.compile(r"^(\[Gloo\] Rank )+\d+ is connected to \d+ peer ranks")
+# gloo's connection log, one line per rank: "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
+# peer ranks is : 1". With unbuffered output (ENV) each rank writes it in pieces, so two ranks' pieces can interleave
+# and split across lines ("[Gloo] Rank [Gloo] Rank 0 is connected ...", then "1 is connected ..."). It is kept in
+# Run.output; what `echo` shows is the output without it (GlooFilter).
+GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+                            r"Expected number of connected peer ranks is : \d+")
+GLOO_PIECE = re.compile(r"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :")
+
+
+class GlooFilter:
+    """What to echo of a child's output, line by line: the line without gloo's connection log, or None when nothing
+    else is left. The pieces of a message split across lines leave bare numbers and newlines behind; in the few
+    lines after a piece, a leading number before a log line ("1[rank0] ...") and an empty line are dropped too."""
+
+    def __init__(self) -> None:
+        self.tail = 0  # lines left in which the rest of a split message may still turn up
+
+    def __call__(self, line: str) -> str | None:
+        if GLOO_PIECE.search(line):
+            line = GLOO_PIECE.sub("", GLOO_CONNECTED.sub("", line))
+            self.tail = 3
+        elif self.tail:
+            self.tail -= 1
+            line = re.sub(r"^\d+(?=\[|\s*$)", "", line)
+        else:
+            return line
+        if not line.strip(" \t\r\n0123456789"):
+            return None
+        return line if line.endswith("\n") else line + "\n"
 
 
 def free_port() -> int:
@@ -90,6 +117,7 @@ def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | No
 
     threading.Thread(target=pump, daemon=True).start()
     out: list[str] = []
+    visible = GlooFilter()
     while True:
         try:
             line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
@@ -98,8 +126,9 @@ def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | No
         if line is None:
             return out, "eof"
         out.append(line)
-        if echo and not GLOO_CONNECTED.match(line):
-            print(line, end="", flush=True)
+        shown = visible(line)
+        if echo and shown is not None:
+            print(shown, end="", flush=True)
         if stop_on and stop_on in line:
             return out, "marker"
         if time.monotonic() > deadline:

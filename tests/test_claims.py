@@ -127,14 +127,7 @@ def unnamed(nb: Path) -> list[str]:
             for s in sources(cell_text(cell))]
 
 
-# Chapters 06-10 meet the sharpened rules (code cells, words, sources) when issue 28 turns them into cells.
-def sharpened(pending: set[str]) -> list:
-    """The notebooks, those still pending marked as expected to fail (strictly: one that passes must leave the set)."""
-    return [pytest.param(nb, marks=pytest.mark.xfail(nb.name[:2] in pending, reason="issue 28", strict=True))
-            for nb in NOTEBOOKS]
-
-
-@pytest.mark.parametrize("nb", sharpened({"06"}), ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_number_in_markdown_is_a_listed_fact(nb):
     bad = unlisted(nb)
     assert not bad, (f"{nb.name}: numbers in markdown that no cell printed and tests/claims/{nb.name[:2]}.txt does "
@@ -142,7 +135,7 @@ def test_every_number_in_markdown_is_a_listed_fact(nb):
                      "specifications and cited figures with their source):\n  " + "\n  ".join(bad))
 
 
-@pytest.mark.parametrize("nb", sharpened({"06"}), ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_source_is_named_and_inside_the_repository(nb):
     bad = unnamed(nb)
     assert not bad, (f"{nb.name}: name and link the source (the book's chapter, the post, the docs page), and refer "

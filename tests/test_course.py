@@ -191,14 +191,14 @@ def test_headlines_show_their_range_and_flag_one_that_crosses_one():
 
     results = {"06": [{"name": "ddp_speedup_b512", "value": 1.05, "unit": "x", "note": "", "spread": [0.87, 1.31],
                        "repeats": 5},
-                      {"name": "ddp_comm_share_b64", "value": 0.74, "unit": "fraction", "note": ""}],
+                      {"name": "ddp_sync_share_b64", "value": 0.74, "unit": "fraction", "note": ""}],
                "02": [{"name": "best_speedup_vs_naive", "value": 12.0, "unit": "x", "note": "", "spread": [9.7, 16.6],
                        "repeats": 5}]}
     rows = {label: value for _, label, value, _ in ah.commands.course.headlines(results)}
-    assert rows["2 processes vs 1 (DDP, per-rank batch 512)"] == \
+    assert rows["the same, per-rank batch 512"] == \
         "1.05× (range 0.87×–1.31×, 5 repeats) — not a reliable difference on this machine"
     assert rows["fastest loop vs the naive loop (model-steps/s)"] == "12× (range 9.7×–16.6×, 5 repeats)"
-    assert rows["share of a step in the all-reduce, batch 64"] == "74 %"
+    assert rows["share of a 2-rank DDP step that no_sync saves (all-reduce + bookkeeping)"] == "74 %"
 
 
 def test_report_says_when_a_chapter_measured_under_noise(tmp_path):

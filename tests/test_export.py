@@ -12,8 +12,6 @@ from tests import nbexport
 
 ROOT = nbexport.ROOT
 NOTEBOOKS = nbexport.chapters()
-# Chapters 06-10 still print their workers back: issue 28 turns them into cells.
-PENDING = {"06"}
 
 
 def test_every_generated_module_matches_its_notebook(tmp_path):
@@ -61,9 +59,7 @@ def _code(nb: Path) -> list[str]:
     return [nbexport.python_of("".join(c["source"])) for c in cells if c["cell_type"] == "code"]
 
 
-@pytest.mark.parametrize("nb", [pytest.param(nb, marks=pytest.mark.xfail(
-    nb.name[:2] in PENDING, reason="issue 28: chapters 06-10 as cells", strict=True)) for nb in NOTEBOOKS],
-    ids=lambda p: p.name[:2])
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name[:2])
 def test_no_chapter_prints_package_source_back(nb):
     assert print_backs(_code(nb)) == []
 

@@ -4,6 +4,7 @@ stopping at a marker line, free ports."""
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,9 +12,11 @@ from accelhelpers import launch
 
 
 def test_torchrun_cmd_for_a_module_or_a_script_on_one_or_several_nodes_and_bad_input():
-    cmd = launch.torchrun_cmd("accelhelpers.parallel", "equivalence", "out", "--steps", 3, nproc=2)
+    cmd = launch.torchrun_cmd("mypackage.worker", "out", "--steps", 3, nproc=2)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
-    assert cmd[5:] == ["-m", "accelhelpers.parallel", "equivalence", "out", "--steps", "3"]
+    assert cmd[5:] == ["-m", "mypackage.worker", "out", "--steps", "3"]
+    assert launch.torchrun_cmd(Path("build/ch06/workers/equivalence.py"), "out")[-2:] == [
+        "build/ch06/workers/equivalence.py", "out"]  # a script path runs as itself
     script = launch.torchrun_cmd("tests/rank_scripts/x.py", "a", max_restarts=1)
     assert script[-3:] == ["--max-restarts=1", "tests/rank_scripts/x.py", "a"]
     multi = launch.torchrun_cmd("m", nnodes=2, node_rank=1, rdzv_endpoint="127.0.0.1:29400")
@@ -44,6 +47,27 @@ def test_gloo_connection_lines_are_kept_but_not_echoed(capsys):
     run = launch.launch([sys.executable, "-c", code], 30)
     assert run.output.count("[Gloo]") == 4  # all of it is in the run's output ...
     assert capsys.readouterr().out == "[Gloo] something else\n"  # ... and only what is not the connection log is shown
+
+
+def test_gloo_pieces_interleaved_by_two_ranks_are_not_echoed_either():
+    """Unbuffered, each rank writes the message in pieces: two ranks' pieces interleave and split across lines."""
+    msg = "[Gloo] Rank {} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    lines = ["[Gloo] Rank [Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+             "1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+             "[rank0] 2 ranks, backend gloo, on the CPU" + msg.format(1) + "\n",
+             "\n",
+             "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : \n",
+             "1[rank0] 2 ranks, backend gloo, on the CPU\n",
+             "\n",
+             "[rank1] local batch 8 of global 16\n",
+             "3\n",
+             "[Gloo] something else\n",
+             "7\n"]
+    shown = launch.GlooFilter()
+    assert [shown(line) for line in lines] == [
+        None, None, "[rank0] 2 ranks, backend gloo, on the CPU\n", None, None,
+        "[rank0] 2 ranks, backend gloo, on the CPU\n", None, "[rank1] local batch 8 of global 16\n", "3\n",
+        "[Gloo] something else\n", "7\n"]  # a number a few lines away from the pieces is left alone
 
 
 def test_a_deadline_kills_the_whole_group_even_a_silent_child():
