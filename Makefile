@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv course test test-compat test-colab device-check lab notebooks bench lint clean export
+.PHONY: venv course test test-fast test-compat test-colab device-check lab notebooks bench lint clean export
 
 venv: $(STAMP)
 
@@ -22,8 +22,14 @@ course: venv
 test: venv lint browser slurm
 	$(BIN)/python -m pytest tests notebooks --nbval
 
-# The unit tests against the newer torch of requirements-compat.txt, in .venv-compat, without torch_xla:
-# Colab ships a newer torch than our pins, and the helpers must work there too. Every other pin is the same.
+# The edit-test loop (under 3 minutes on 2 cores): the package's tests without the slow ones (tests/conftest.py marks
+# them: notebooks, other processes, seconds of training). `make test` runs everything, these included.
+test-fast: venv
+	TQDM_DISABLE=1 $(BIN)/python -m pytest tests -m "not slow" -q -p no:cacheprovider
+
+# The package's fast tier against the newer torch of requirements-compat.txt, in .venv-compat, without torch_xla:
+# what only a newer torch can break in the helpers (Colab ships a newer torch than our pins). The chapters under a
+# newer torch run in test-colab (Colab's GPU image: torch 2.11), so the slow tier is not repeated here.
 COMPAT := .venv-compat
 $(COMPAT)/.installed: requirements.txt requirements-compat.txt pyproject.toml
 	@test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
@@ -33,8 +39,8 @@ $(COMPAT)/.installed: requirements.txt requirements-compat.txt pyproject.toml
 	@touch $@
 
 test-compat: $(COMPAT)/.installed
-	ACCEL_PROFILE=quick ACCEL_COMPAT=1 TQDM_DISABLE=1 $(COMPAT)/bin/python -m pytest tests -p no:cacheprovider \
-		--ignore=tests/test_browser.py
+	ACCEL_PROFILE=quick ACCEL_COMPAT=1 TQDM_DISABLE=1 $(COMPAT)/bin/python -m pytest tests -m "not slow" -q \
+		-p no:cacheprovider --ignore=tests/test_browser.py
 
 # The course under Colab's own package sets (tests/colab/: the GPU and the TPU image), installed the way the
 # chapters' setup cells install it, every chapter executed top to bottom (quick profile, CPU; XLA's CPU device).

@@ -32,7 +32,9 @@ class SlurmError(RuntimeError):
 
 
 def unavailable() -> str | None:
-    """Why a local Slurm cannot run here, in one line; None when it can."""
+    """Why a local Slurm cannot run here, in one line; None when it can (ACCEL_SLURM=off: as if it could not)."""
+    if os.environ.get("ACCEL_SLURM") == "off":
+        return "ACCEL_SLURM=off asks to run without Slurm"
     if not sys.platform.startswith("linux"):
         return f"Slurm runs on Linux; this is {sys.platform}"
     missing = [b for b in BINARIES if not shutil.which(b)]

@@ -5,7 +5,10 @@ except with ACCEL_REQUIRE_SLURM=1 (CI), where that is a failure."""
 
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,20 @@ def test_unavailable_says_why_in_one_line(monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     reason = ah.slurm.unavailable()
     assert reason and "\n" not in reason and "apt-get install slurm-wlm munge" in reason
+
+
+def test_without_slurm_the_chapter_explains_itself_and_runs_to_the_end(tmp_path):
+    """Chapter 12 on a machine without Slurm (ACCEL_SLURM=off): one line saying why, every job cell says what it
+    would have run, no error."""
+    nb = Path(__file__).resolve().parents[1] / "notebooks" / "12_on_a_cluster.ipynb"
+    out = tmp_path / "out.ipynb"
+    r = subprocess.run([sys.executable, "-m", "papermill", str(nb), str(out), "--cwd", str(nb.parent)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "ACCEL_SLURM": "off", "ACCEL_PROFILE": "quick"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "No Slurm here: ACCEL_SLURM=off asks to run without Slurm" in text and "would run: sbatch" in text
+    assert '"output_type": "error"' not in text
 
 
 def test_config_is_one_node_without_cgroups(tmp_path):
