@@ -30,8 +30,12 @@ def compat_teardown_abort(output: str) -> bool:
 # `make test-fast` (the edit-test loop) runs every test not marked slow; `make test` runs them all. Slow: a notebook,
 # and the tests below, which start other processes (torchrun, a course run, JupyterLab, Slurm, g++) or train for
 # seconds: each took 1.5 s or more in `pytest tests --durations=0` on the 2-core machine. A new slow test goes here
-# (tests/test_tiers.py checks that every name still exists).
+# (tests/test_tiers.py checks that every name still exists). A test that uses one of the module fixtures in
+# SLOW_FIXTURES (each starts processes or a cluster for its module) is slow too, whichever test runs it first.
 SLOW = {
+    "test_bad_input": {
+        "test_bad_input_gets_a_clear_error",
+    },
     "test_browser": {
         "test_chapter_01_runs_in_jupyterlab_without_errors",
         "test_course_report_renders",
@@ -40,6 +44,7 @@ SLOW = {
     "test_checkpoint": {
         "test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable",
         "test_exact_resume_in_a_fresh_process_is_bit_identical",
+        "test_save_and_load_restore_every_state_and_the_step",
         "test_unwrap_removes_data_parallel_and_compile_wrappers",
     },
     "test_course": {
@@ -67,6 +72,7 @@ SLOW = {
         "test_hls4ml_emulation_is_bit_exact_with_numpy_model",
         "test_hls_conversions_in_threads_do_not_break_each_others_trace",
         "test_onnx_export_parity_and_int8_by_hand_equals_ort",
+        "test_static_quantization",
     },
     "test_device": {
         "test_colab_detection_never_raises_without_a_google_package",
@@ -95,11 +101,14 @@ SLOW = {
     "test_longrun": {
         "test_a_run_killed_between_checkpoints_resumes_bit_identical_in_a_new_process",
         "test_a_save_killed_half_way_loses_everything_with_torch_save_and_nothing_atomically",
+        "test_a_worker_killed_mid_run_is_restarted_and_resumes_from_the_last_checkpoint",
         "test_every_state_left_out_of_a_resume_changes_the_result",
         "test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout",
         "test_torchrun_restarts_a_killed_worker_and_it_resumes_from_the_last_checkpoint",
+        "test_wait_for_times_out_when_the_group_has_gone_before_the_kill",
     },
     "test_nonfinite": {
+        "test_a_nan_on_one_rank_stops_both_when_agreed_and_strands_the_other_when_local",
         "test_ddp_all_ranks_stop_together_when_only_one_sees_a_nan",
     },
     "test_oom": {
@@ -111,6 +120,7 @@ SLOW = {
     },
     "test_parallel": {
         "test_pipeline_refuses_other_than_two_ranks",
+        "test_setup_rank_picks_gloo_on_the_cpu_here_and_announces_it",
         "test_two_ranks_of_batch_b_equal_one_process_of_batch_2b",
     },
     "test_peers": {
@@ -121,6 +131,7 @@ SLOW = {
         "test_memory_fits_backs_off_on_out_of_memory",
     },
     "test_precision": {
+        "test_checkpointed_keeps_the_gradients_and_holds_fewer_bytes",
         "test_xla_policy_really_runs_bf16_on_pjrt_cpu",
     },
     "test_preemption": {
@@ -137,6 +148,7 @@ SLOW = {
         "test_bf16_runs_in_bf16_and_resumes_to_the_same_bits",
         "test_ctrl_c_checkpoints_and_says_how_to_resume",
         "test_killed_at_random_points_and_resumed_it_ends_with_the_same_bits",
+        "test_recorded_finds_the_newest_committed_run_and_every_epochs_error",
         "test_refuses_to_overwrite_or_to_mix_settings",
     },
     "test_slurm": {
@@ -144,15 +156,19 @@ SLOW = {
         "test_a_killed_rank_fails_the_job_with_its_reason",
         "test_a_requeued_job_resumes_to_the_same_bits",
         "test_one_and_two_tasks_train_the_same_model",
+        "test_without_slurm_the_chapter_explains_itself_and_runs_to_the_end",
     },
     "test_timing": {
+        "test_noise_watch_reads_load_and_the_reference_kernel",
         "test_timing_and_device_import_in_either_order_without_a_circle",
     },
     "test_toolflows": {
         "test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit",
         "test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax",
+        "test_nncf_quantize_hands_rich_its_jupyter_setting_back",
         "test_openvino_fp32_equals_onnx_runtime_on_the_same_file_and_inputs",
         "test_the_chapters_script_converts_to_a_full_integer_model_that_keeps_the_argmax",
+        "test_torchao_int4_quantizes_only_the_layers_its_cpu_kernel_takes",
         "test_torchao_int8_stays_close_to_fp32_and_leaves_the_original_alone",
     },
     "test_train": {
@@ -162,10 +178,12 @@ SLOW = {
         "test_launch_demo_one_device_runs",
     },
 }
+SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "straight_bf16"}, "test_slurm": {"cluster"}}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = getattr(item, "originalname", item.name)
-        if item.path.suffix == ".ipynb" or name in SLOW.get(item.path.stem, ()):
+        uses = set(getattr(item, "fixturenames", ())) & SLOW_FIXTURES.get(item.path.stem, set())
+        if item.path.suffix == ".ipynb" or name in SLOW.get(item.path.stem, ()) or uses:
             item.add_marker(pytest.mark.slow)
