@@ -25,6 +25,12 @@ def mark_static_address(t: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(t)
 
 
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Tell torch.compile that `t`'s dimension `dim` varies, so one compiled graph serves every size of it
+    (public alternative: `torch.compile(dynamic=True)` makes every dimension dynamic, not just this one)."""
+    torch._dynamo.mark_dynamic(t, dim)
+
+
 def compiled_original(model: Any) -> Any:
     """The module a `torch.compile` wrapper (OptimizedModule) holds, or None for any other object.
     Public alternative: keep a reference to the module you compiled; a checkpoint helper handed only the wrapper

@@ -36,6 +36,7 @@ TITLES = {
     "08": "Quantization, ONNX and FPGA",
     "09": "Long runs that survive",
     "10": "Deployment toolflows: torchao, OpenVINO, LiteRT, Brevitas to hls4ml",
+    "11": "A speedrun on your machine: time to a target loss",
     "12": "On a cluster: Slurm jobs, preemption and requeue",
 }
 
@@ -117,8 +118,9 @@ def _kernel_config() -> Any:
     return Config()
 
 
-def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
-    """Execute one chapter with papermill into out/notebooks; never raises for a failing notebook."""
+def _run_one(key: str, nb: Path, out: Path, profile: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Execute one chapter with papermill into out/notebooks; never raises for a failing notebook. `parameters`
+    are papermill parameters of this chapter beyond PROFILE (or replacing it: the status then names its profile)."""
     import papermill as pm
 
     results = out / "results"
@@ -128,11 +130,13 @@ def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
     env = {"ACCEL_PROFILE": profile, "ACCEL_RESULTS_DIR": str(results), "ACCEL_BUILD": str(out)}
     t0 = time.perf_counter()
     status: dict[str, Any] = {"chapter": key, "notebook": nb.name, "ok": True, "error": None}
+    if parameters and parameters.get("PROFILE", profile) != profile:
+        status["profile"] = parameters["PROFILE"]
     try:
         with mock.patch.dict(os.environ, env):  # the kernel inherits them; restored afterwards
             pm.execute_notebook(str(nb), str(out / "notebooks" / nb.name), cwd=str(nb.parent),
-                                parameters={"PROFILE": profile}, progress_bar=False, log_output=False,
-                                kernel_name="python3", config=_kernel_config())
+                                parameters={"PROFILE": profile, **(parameters or {})}, progress_bar=False,
+                                log_output=False, kernel_name="python3", config=_kernel_config())
     except Exception as e:  # a failing chapter is reported, the others still run
         status["ok"] = False
         status["error"] = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
@@ -141,8 +145,9 @@ def _run_one(key: str, nb: Path, out: Path, profile: str) -> dict[str, Any]:
 
 
 def run(profile: str = "quick", only: str | list[str] | None = None, out: Path | None = None,
-        progress: bool = True) -> list[dict[str, Any]]:
-    """Execute the chosen chapters into `out` (default build/), record run times and failures in run.json."""
+        progress: bool = True, parameters: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Execute the chosen chapters into `out` (default build/), record run times and failures in run.json;
+    `parameters` ({chapter: {name: value}}) gives a chapter papermill parameters of its own."""
     out = (Path(out) if out else default_out()).resolve()  # the kernels run in notebooks/: no relative paths
     selected = check_args(profile, only, out)
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
@@ -160,7 +165,7 @@ def run(profile: str = "quick", only: str | list[str] | None = None, out: Path |
         bar = tqdm(selected.items(), desc="course", unit="chapter", disable=not progress)
         for key, nb in bar:
             bar.set_postfix_str(nb.stem)
-            statuses.append(_run_one(key, nb, out, profile))
+            statuses.append(_run_one(key, nb, out, profile, (parameters or {}).get(key)))
             if interrupted.is_set():  # Ctrl-C during the chapter: stop here, write nothing
                 raise KeyboardInterrupt
     finally:
@@ -215,6 +220,8 @@ HEADLINES: dict[str, list[tuple[str, str]]] = {
            ("preemption_save_s", "SIGTERM to checkpoint saved (Preemption handler)")],
     "10": [("qat_minus_finetuned_ptq_4bit", "4-bit FPGA model: QAT minus fine-tuned fp32 then PTQ, median over seeds"),
            ("openvino_int8_vs_fp32_b256", "OpenVINO int8 (NNCF) / OpenVINO fp32 latency, batch 256")],
+    "11": [("cumulative_speedup", "time to the target loss, baseline / fastest row, paired over seeds"),
+           ("best_time_to_target_s", "fastest row's training time to the target loss")],
     "12": [("slurm_requeue_bit_identical", "Slurm job requeued mid-run and resumed vs uninterrupted, bit-identical"),
            ("slurm_killed_rank_job_end_s", "a killed rank: sbatch to the job's FAILED state")],
 }
@@ -347,7 +354,9 @@ def _html(run_info: dict, hw: dict, results: dict, figures: list[Path]) -> str:
 # --- the device check: one command that says what an accelerator machine achieved -----------------------------------
 
 # Chapters whose code uses a GPU when there is one; chapter 07 needs XLA (it joins on a TPU host).
-GPU_CHAPTERS = ("01", "02", "03", "04", "05", "06", "08", "09")
+GPU_CHAPTERS = ("01", "02", "03", "04", "05", "06", "08", "09", "11")
+# Chapters whose full profile is sized for one GPU: on a GPU the device check runs them in it (quick elsewhere).
+FULL_ON_GPU = ("11",)
 
 
 def hardware_slug(hw: dict[str, Any]) -> str:
@@ -365,8 +374,9 @@ def hardware_slug(hw: dict[str, Any]) -> str:
 
 def device_check(out: Path | None = None, record: bool = False, only: str | None = None) -> Path:
     """The hardware report, `bench fullbatch` and every chapter that can use this machine's accelerator (quick
-    profile) into `out` (default build/device-check); with `record`, copied into results/device-check_<hardware>_
-    <date>/, refusing a folder that already exists (recorded evidence is never overwritten)."""
+    profile; on a GPU, the chapters of FULL_ON_GPU in their full profile) into `out` (default build/device-check);
+    with `record`, copied into results/device-check_<hardware>_<date>/, refusing a folder that already exists
+    (recorded evidence is never overwritten)."""
     import shutil
     import subprocess
     import sys
@@ -383,10 +393,11 @@ def device_check(out: Path | None = None, record: bool = False, only: str | None
     print(format_report(hw), flush=True)
     bench = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--json",
                             str(out / "bench_fullbatch.json")], text=True)
-    statuses = run("quick", keys, out)
+    full = {key: {"PROFILE": "full"} for key in FULL_ON_GPU} if hw.get("gpu") else None
+    statuses = run("quick", keys, out, parameters=full)
     report(out)
     if record:
-        shutil.copytree(out, target, ignore=shutil.ignore_patterns("notebooks", "ch0*", "*.onnx", "*.pt"))
+        shutil.copytree(out, target, ignore=shutil.ignore_patterns("notebooks", "ch[0-9][0-9]", "*.onnx", "*.pt"))
         print(f"recorded: {target}")
     failed = [s["chapter"] for s in statuses if not s["ok"]] + (["bench"] if bench.returncode else [])
     if failed:
@@ -467,6 +478,33 @@ def _run_table(folder: Path, what: str) -> list[str]:
     return lines
 
 
+def _speedrun_table(root: Path) -> list[str]:
+    """Chapter 11's best recorded time to the target loss per hardware and profile (a profile is its own task and
+    model), from the course runs and device checks recorded under results/; empty when none ran chapter 11."""
+    best: dict[tuple[str, str], tuple[dict[str, Any], dict[str, Any] | None, Path]] = {}
+    for folder in sorted(p for pattern in ("course_*", "device-check_*") for p in root.glob(pattern)
+                         if (p / "run.json").exists()):
+        run_info = _load_run(folder)
+        entries = {e["name"]: e for e in _results(folder / "results").get("11", [])}
+        e, status = entries.get("best_time_to_target_s"), run_info["chapters"].get("11", {})
+        if e is None or not status.get("ok"):
+            continue
+        key = (machine_line(run_info.get("hardware") or {}), status.get("profile", run_info["profile"]))
+        if key not in best or e["value"] < best[key][0]["value"]:
+            best[key] = (e, entries.get("cumulative_speedup"), folder)
+    if not best:
+        return []
+    lines = ["**Chapter 11, the speedrun**: the best recorded time to the target loss per hardware and profile "
+             "(training seconds, median over seeds with the range; compiling not included)\n",
+             "| hardware | profile | time to target | baseline / fastest row | fastest row, target | recorded in |",
+             "|---|---|---|---|---|---|"]
+    for (machine, profile), (e, cum, folder) in sorted(best.items()):
+        rel = folder.relative_to(folder.parents[1])
+        lines.append(f"| {machine} | {profile} | {_fmt_entry(e)} | {_fmt_entry(cum) if cum else '-'} | {e['note']} | "
+                     f"[`{rel}/`]({rel}/) |")
+    return lines
+
+
 def readme_tables(root: Path | None = None) -> str:
     """The README's results section body, from the newest recorded runs of each kind under results/."""
     root = root or results_root()
@@ -489,6 +527,9 @@ def readme_tables(root: Path | None = None) -> str:
                       key=lambda p: _load_run(p)["finished"])
         if runs:
             parts.append(_run_table(runs[-1], what))
+    speedrun = _speedrun_table(root)
+    if speedrun:
+        parts.append(speedrun)
     return "\n\n".join("\n".join(p) for p in parts)
 
 
