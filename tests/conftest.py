@@ -158,6 +158,12 @@ SLOW = {
         "test_one_and_two_tasks_train_the_same_model",
         "test_without_slurm_the_chapter_explains_itself_and_runs_to_the_end",
     },
+    "test_speedrun": {
+        "test_a_new_row_is_measured_and_tabled_without_other_edits",
+        "test_the_chapters_ddp_worker_trains_a_row_on_two_ranks",
+        "test_the_course_runner_gives_a_chapter_its_own_profile",
+        "test_train_to_an_easy_target_and_not_to_an_impossible_one",
+    },
     "test_timing": {
         "test_noise_watch_reads_load_and_the_reference_kernel",
         "test_timing_and_device_import_in_either_order_without_a_circle",
