@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default=None, help="comma-separated chapter numbers, e.g. 01,03")
     run.add_argument("--out", type=Path, default=None, help="output folder (default: build/)")
     run.add_argument("--no-report", action="store_true", help="do not write the report afterwards")
+    run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="set a papermill parameter in every chosen chapter that has it, e.g. "
+                          "'MATMUL_SIZES=[16, 32]' (a Python literal; repeatable)")
     dc = csub.add_parser("device-check", help="hardware report, bench fullbatch and the chapters that can use "
                          "this machine's accelerator, in one command")
     dc.add_argument("--out", type=Path, default=None, help="output folder (default: build/device-check/)")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"device check: {course.device_check(args.out, args.record, args.only)}")
             return 0
         if args.action == "run":
-            statuses = course.run(args.profile, args.only, args.out)
+            statuses = course.run(args.profile, args.only, args.out, param=args.param)
             for s in statuses:
                 mark = "ok " if s["ok"] else "FAILED"
                 print(f"{mark:6} {s['chapter']} {s['notebook']} ({s['seconds']} s)"

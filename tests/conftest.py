@@ -193,3 +193,38 @@ def pytest_collection_modifyitems(config, items):
         uses = set(getattr(item, "fixturenames", ())) & SLOW_FIXTURES.get(item.path.stem, set())
         if item.path.suffix == ".ipynb" or name in SLOW.get(item.path.stem, ()) or uses:
             item.add_marker(pytest.mark.slow)
+
+
+# --- one run of chapter 01, shared ------------------------------------------------------------------------------------
+# The CLI test, the papermill-parameters test and the report test all read this one run (a course run through the
+# CLI, with --param and small sizes), so `make test` executes chapter 01 here once, beside nbval's run and
+# JupyterLab's. Under pytest-xdist every worker asks for it: the first makes it under a lock in the session's shared
+# temporary folder, the others read it.
+CHAPTER_01_PARAMS = ["MATMUL_SIZES=[16, 32]", "ELEMENTWISE_MB=[0.03, 1]", "OVERHEAD_BATCHES=[1, 64]", "MIN_TIME=0.005"]
+
+
+@pytest.fixture(scope="session")
+def chapter_01_run(tmp_path_factory):
+    """(out folder, returncode, stdout + stderr) of `course run --only 01 --param 'MATMUL_SIZES=[16, 32]' …`: small
+    sizes (the chapter's own run is nbval's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    out, done = shared / "chapter_01_run", shared / "chapter_01_run.json"
+    with FileLock(str(shared / "chapter_01_run.lock")):
+        if not done.exists():
+            root = Path(__file__).resolve().parents[1]
+            params = [arg for p in CHAPTER_01_PARAMS for arg in ("--param", p)]
+            r = subprocess.run([sys.executable, "-m", "accelhelpers", "course", "run", "--only", "1", "--out", str(out),
+                                *params], capture_output=True, text=True, cwd=root, timeout=600,
+                               env={k: v for k, v in os.environ.items() if not k.startswith("ACCEL_")})
+            done.write_text(json.dumps({"returncode": r.returncode, "output": r.stdout + r.stderr}))
+    record = json.loads(done.read_text())
+    return out, record["returncode"], record["output"]

@@ -99,16 +99,15 @@ def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path):
     assert r.returncode == 0 and "invalid" in r.stdout
 
 
-def test_real_chapter_01_through_the_cli(tmp_path):
-    out = tmp_path / "build"
-    r = cli("course", "run", "--only", "1", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_real_chapter_01_through_the_cli(chapter_01_run):
+    out, returncode, output = chapter_01_run  # `course run --only 1 --out … --param …` (conftest.py), shared
+    assert returncode == 0, output
     names = {e["name"] for e in json.loads((out / "results" / "01.json").read_text())}
     assert {"fp32_matmul_peak", "copy_bandwidth", "mlp_forward_overhead"} <= names
     assert (out / "results" / "figures" / "01_roofline.png").exists()
     html = (out / "report.html").read_text()
     assert "fp32_matmul_peak" in html and "01_roofline.png" in html and "GFLOP/s" in html
-    assert "Headline results" in html and "fp32 matmul peak" in html and "not recorded" not in r.stderr
+    assert "Headline results" in html and "fp32 matmul peak" in html and "not recorded" not in output
     assert not list((ROOT / "notebooks").glob("*.tmp*"))
 
 
@@ -145,20 +144,30 @@ def test_parameters_cell_holds_literal_defaults_only(nb):
     assert f'ah.session.setup("{nb.name[:2]}", profile=PROFILE' in after
 
 
-def test_papermill_parameters_take_effect_in_a_real_chapter(tmp_path):
-    """`papermill … -p PROFILE quick -y 'MATMUL_SIZES: [16, 32]'`: the run times exactly the sizes it was given."""
-    out = tmp_path / "01.ipynb"
-    r = subprocess.run([sys.executable, "-m", "papermill", str(ROOT / "notebooks" / "01_hardware_and_timing.ipynb"),
-                        str(out), "-p", "PROFILE", "quick", "-y", "MATMUL_SIZES: [16, 32]", "--cwd",
-                        str(ROOT / "notebooks"), "--no-progress-bar"], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "ACCEL_RESULTS_DIR": str(tmp_path / "results"),
-                            "ACCEL_BUILD": str(tmp_path / "build")})
-    assert r.returncode == 0, r.stderr[-3000:]
-    texts = ["".join(o.get("text", "")) for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"
-             for o in c.get("outputs", [])]
+def test_papermill_parameters_take_effect_in_a_real_chapter(chapter_01_run):
+    """`course run --only 1 --param 'MATMUL_SIZES=[16, 32]' …` (papermill's parameters, conftest.py): the chapter
+    times exactly the sizes it was given, in the quick profile."""
+    out, returncode, output = chapter_01_run
+    assert returncode == 0, output
+    texts = ["".join(o.get("text", "")) for c in nbformat.read(out / "notebooks" / "01_hardware_and_timing.ipynb",
+                                                                 as_version=4).cells
+             if c.cell_type == "code" for o in c.get("outputs", [])]
     rows = [line for t in texts for line in t.splitlines() if line.startswith("n=") and "GFLOP/s" in line]
     assert [line.split(":")[0].split("=")[1].strip() for line in rows] == ["16", "32"]
     assert any("'quick' profile" in t for t in texts)
+
+
+def test_param_names_a_parameter_the_chapter_has_or_says_which_it_has(tmp_path):
+    selected = {"01": ROOT / "notebooks" / "01_hardware_and_timing.ipynb"}
+    parsed = ah.commands.course.parse_parameters(["MATMUL_SIZES=[16, 32]"], selected)
+    assert parsed == {"01": {"MATMUL_SIZES": [16, 32]}}
+    for bad, says in (("MATMUL_SIZE=[1]", "no chosen chapter has that parameter; they have "),
+                      ("MATMUL_SIZES", "NAME=VALUE"), ("PROFILE=full", "--profile")):
+        with pytest.raises(ah.commands.course.CourseError, match=says):
+            ah.commands.course.parse_parameters([bad], selected)
+    r = cli("course", "run", "--only", "1", "--out", str(tmp_path / "out"), "--param", "NOPE=1")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "MATMUL_SIZES" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_course_run_passes_the_profile_as_a_parameter(tmp_path):
@@ -263,7 +272,8 @@ def test_plain_pytest_nbval_compares_the_quick_cpu_run_on_any_machine(tmp_path):
     nbformat.write(nb, probe / "probe.ipynb")
     r = subprocess.run([sys.executable, "-m", "pytest", "--nbval", str(probe / "probe.ipynb"), "-q",
                         "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "ACCEL_PROFILE": "full", "ACCEL_DEVICE": "cuda"})
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},  # not -n 2's
+                            "ACCEL_PROFILE": "full", "ACCEL_DEVICE": "cuda"})
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:]
 
 

@@ -104,6 +104,43 @@ def check_args(profile: str, only: str | list[str] | None, out: Path) -> dict[st
     return _select(only, chapters())
 
 
+def parameter_names(nb: Path) -> list[str]:
+    """The names assigned in a chapter's cell tagged `parameters` (what papermill can set)."""
+    import ast
+
+    cells = [c for c in json.loads(nb.read_text())["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
+    tree = ast.parse("".join(cells[0]["source"])) if cells else ast.Module(body=[], type_ignores=[])
+    return [t.id for stmt in tree.body if isinstance(stmt, ast.Assign) for target in stmt.targets
+            for t in (target.elts if isinstance(target, ast.Tuple) else [target]) if isinstance(t, ast.Name)]
+
+
+def parse_parameters(items: list[str], selected: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """`--param NAME=VALUE` (VALUE a Python literal, else a string) for every chosen chapter whose parameters cell
+    has NAME: {chapter: {name: value}}. A name no chosen chapter has is bad input, named with the ones they have."""
+    import ast
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier():
+            raise CourseError(f"--param {item!r}: write NAME=VALUE, e.g. --param 'MATMUL_SIZES=[16, 32]'")
+        if name == "PROFILE":
+            raise CourseError("--param PROFILE=...: choose the profile with --profile")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            value = text.strip()
+        having = [key for key, nb in selected.items() if name in parameter_names(nb)]
+        if not having:
+            known = sorted({n for nb in selected.values() for n in parameter_names(nb)} - {"PROFILE"})
+            raise CourseError(f"--param {name}: no chosen chapter has that parameter; they have "
+                              f"{', '.join(known) or 'none besides PROFILE'}")
+        for key in having:
+            out.setdefault(key, {})[name] = value
+    return out
+
+
 def _kernel_config() -> Any:
     """The kernel manager's settings for the chapters' kernels: CurveZMQ keys provisioned by the manager
     (jupyter_client's transport_encryption), so the kernel's sockets are encrypted. Without keys, ipykernel warns
@@ -145,11 +182,17 @@ def _run_one(key: str, nb: Path, out: Path, profile: str, parameters: dict[str, 
 
 
 def run(profile: str = "quick", only: str | list[str] | None = None, out: Path | None = None,
-        progress: bool = True, parameters: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        progress: bool = True, parameters: dict[str, dict[str, Any]] | None = None,
+        param: list[str] | None = None) -> list[dict[str, Any]]:
     """Execute the chosen chapters into `out` (default build/), record run times and failures in run.json;
-    `parameters` ({chapter: {name: value}}) gives a chapter papermill parameters of its own."""
+    `parameters` ({chapter: {name: value}}) gives a chapter papermill parameters of its own, `param` (the CLI's
+    --param NAME=VALUE) to every chosen chapter that has NAME."""
     out = (Path(out) if out else default_out()).resolve()  # the kernels run in notebooks/: no relative paths
     selected = check_args(profile, only, out)
+    if param:
+        given = parse_parameters(param, selected)
+        parameters = {key: {**given.get(key, {}), **(parameters or {}).get(key, {})}
+                      for key in {*given, *(parameters or {})}}
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     from tqdm.auto import tqdm
 
