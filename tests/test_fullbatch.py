@@ -16,8 +16,8 @@ def data():
 
 def test_fast_path_follows_the_naive_trajectory(data):
     m = ah.models.udl_mlp(4, seed=0)
-    naive = ah.fullbatch.naive_fullbatch(ah.fullbatch.clone(m), data, 300)
-    fast = ah.fullbatch.FullBatchLoop(ah.fullbatch.clone(m), data).run(300)
+    naive = ah.fullbatch.naive_fullbatch(ah.fullbatch.clone(m), data, 150)
+    fast = ah.fullbatch.FullBatchLoop(ah.fullbatch.clone(m), data).run(150)
     np.testing.assert_allclose(fast.loss, naive.loss, rtol=1e-4, atol=1e-5)
     assert naive.loss[-1] < naive.loss[0]  # it did learn something
     # the fast path's train error is measured before each update, the naive one after it
