@@ -16,3 +16,12 @@ def test_every_slow_test_named_exists():
             if path.exists() else set()
         missing += [f"{module}::{n}" for n in sorted(names - defined)]
     assert not missing, f"tests/conftest.py SLOW names tests that do not exist (renamed?): {missing}"
+
+
+def test_every_file_in_the_schedule_exists():
+    """COST orders `make test`'s files longest first: a renamed file would silently lose its place."""
+    from tests.conftest import COST
+
+    notebooks = TESTS.parent / "notebooks"
+    missing = [n for n in COST if not (TESTS / f"{n}.py").exists() and not (notebooks / f"{n}.ipynb").exists()]
+    assert not missing, f"tests/conftest.py COST names files that do not exist: {missing}"
