@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv course test test-fast test-compat test-colab device-check lab notebooks bench lint clean export
+.PHONY: venv course test test-fast test-compat test-colab device-check lab notebooks bench lint clean export \
+	browser slurm venv-edge
 
 venv: $(STAMP)
 
@@ -66,7 +67,6 @@ device-check: venv
 
 # Headless Chromium for tests/test_browser.py: Debian's package (never a browser download). Installed when
 # missing and we are root with apt-get (as in CI); elsewhere a note, and the browser tests skip.
-.PHONY: browser
 browser:
 	@if [ -n "$$ACCEL_CHROMIUM" ] || command -v chromium >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -79,7 +79,6 @@ browser:
 
 # A real Slurm for chapter 12 and tests/test_slurm.py: Debian's slurm-wlm and munge, installed when missing and we
 # are root with apt-get (as in CI); ah.slurm starts a one-node cluster from them. Elsewhere a note, and those skip.
-.PHONY: slurm
 slurm:
 	@if command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -117,7 +116,6 @@ clean:
 # the course's and needs torchao >= 0.17 (0.17.0 is the newest that imports with torch 2.9). .venv-edge layers it
 # over .venv: a .pth file adds .venv's packages (torch included, never downloaded twice) behind its own.
 EDGE := .venv-edge
-.PHONY: venv-edge
 venv-edge: $(EDGE)/.installed
 
 $(EDGE)/.installed: $(STAMP)
