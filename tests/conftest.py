@@ -100,6 +100,7 @@ SLOW = {
     },
     "test_longrun": {
         "test_a_run_killed_between_checkpoints_resumes_bit_identical_in_a_new_process",
+        "test_fsdp2_shards_saved_by_two_ranks_load_into_one_process",
         "test_a_save_killed_half_way_loses_everything_with_torch_save_and_nothing_atomically",
         "test_a_worker_killed_mid_run_is_restarted_and_resumes_from_the_last_checkpoint",
         "test_every_state_left_out_of_a_resume_changes_the_result",
