@@ -33,9 +33,12 @@ SHIPPED = ["torch", "torchvision", "fastai", "fastcore", "fastprogress", "accele
            "matplotlib", "scikit-learn", "scipy", "pandas", "tqdm", "ipywidgets", "ipykernel", "pillow"]
 EXTRA_SHIPPED = {"gpu": ["grpcio-status"], "tpu": ["torch-xla"]}  # grpcio-status pins protobuf < 6 on the GPU image
 RUNNER = ["papermill==2.7.0"]  # not on Colab: the runner that executes the notebooks here
-# Seconds each chapter took in the quick profile on the 2-core machine (rounded): the runners take the longest first.
-COST = {"02": 120, "06": 100, "11": 100, "03": 95, "07": 75, "08": 75, "09": 65, "01": 60, "05": 60, "12": 60,
-        "10": 58, "04": 40}
+# Seconds each chapter takes in the quick profile (tests/conftest.py's COST, which orders `make test` the same way):
+# the runners take the longest first.
+sys.path.insert(0, str(HERE.parent))
+from conftest import COST as _FILE_COST  # noqa: E402
+
+COST = {stem[:2]: seconds for stem, seconds in _FILE_COST.items() if stem[:2].isdigit()}
 
 
 def colab_pins(kind: str) -> dict[str, str]:
