@@ -5,6 +5,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# pip install, tried up to three times: a download cut off mid-wheel (urllib3's read error, which pip's own --retries
+# does not cover) is the registry's hiccup; a real conflict fails all three times. $(call PIP,python,arguments)
+PIP = for i in 1 2 3; do $(1) -m pip install -q $(2) && break; \
+	if [ $$i = 3 ]; then echo "pip failed 3 times (see its message above)"; exit 1; fi; \
+	echo "pip failed (attempt $$i of 3); trying again in 10 s"; sleep 10; done
 
 .PHONY: venv course test test-fast test-compat test-colab device-check lab notebooks bench lint clean export \
 	browser slurm venv-edge
@@ -14,7 +19,7 @@ venv: $(STAMP)
 # Re-installs only when the pins or the package metadata change.
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -r requirements.txt
+	@$(call PIP,$(BIN)/python,-r requirements.txt)
 	@touch $(STAMP)
 
 course: venv
@@ -41,7 +46,7 @@ $(COMPAT)/.installed: requirements.txt requirements-compat.txt pyproject.toml
 	@test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
 	@mkdir -p build
 	grep -vE '^(torch|torchvision|torch-xla|playwright)==' requirements.txt > build/requirements-compat-rest.txt
-	$(COMPAT)/bin/python -m pip install -q -r requirements-compat.txt -r build/requirements-compat-rest.txt
+	@$(call PIP,$(COMPAT)/bin/python,-r requirements-compat.txt -r build/requirements-compat-rest.txt)
 	@touch $@
 
 test-compat: $(COMPAT)/.installed
@@ -122,5 +127,5 @@ $(EDGE)/.installed: $(STAMP)
 	@test -x $(EDGE)/bin/python || $(BIN)/python -m venv $(EDGE)
 	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
 		> "$$($(EDGE)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_accel_course_venv.pth"
-	$(EDGE)/bin/python -m pip install -q "litert-torch==0.10.0" "torchao==0.17.0"
+	@$(call PIP,$(EDGE)/bin/python,"litert-torch==0.10.0" "torchao==0.17.0")
 	@touch $@

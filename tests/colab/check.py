@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -69,9 +70,17 @@ def local_requirement(req: str) -> str:
     return f"{name} @ git+file://localhost{ROOT}@{head}"  # pip 23 cannot parse file:/// here
 
 
-def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    print("+", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, check=True, **kw)
+def pip_install(cmd: list[str], tries: int = 3) -> None:
+    """A pip install, tried again when it fails: a download cut off mid-wheel (urllib3's read error, which pip's own
+    --retries does not cover) is the registry's hiccup, not the course's; a real conflict fails all three times."""
+    for attempt in range(1, tries + 1):
+        print("+", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode == 0:
+            return
+        if attempt < tries:
+            print(f"pip failed (attempt {attempt} of {tries}); trying again in 10 s", flush=True)
+            time.sleep(10)
+    sys.exit(f"pip failed {tries} times: {' '.join(cmd[3:])[:200]} ... (see its message above)")
 
 
 def make_env(kind: str) -> Path:
@@ -94,11 +103,11 @@ def make_env(kind: str) -> Path:
     kept = {p: v for p, v in pins.items() if not p.startswith(("nvidia-", "cuda-"))}
     constraints.write_text("\n".join(f"{p}=={v}" for p, v in sorted(kept.items())) + "\n")
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    run(pip + shipped + RUNNER + ["-c", str(constraints)])  # the image, as Colab ships it
+    pip_install(pip + shipped + RUNNER + ["-c", str(constraints)])  # the image, as Colab ships it
     # the course, as the setup cells install it, with Colab's versions as constraints (a fresh install each time:
     # pip keeps an installed accelhelpers of the same version even when the commit differs)
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "accelhelpers"], check=False)
-    run(pip + [local_requirement(setup_requirement()), "-c", str(constraints)])
+    pip_install(pip + [local_requirement(setup_requirement()), "-c", str(constraints)])
     stamp.write_text(want)
     return py
 
