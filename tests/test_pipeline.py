@@ -178,7 +178,9 @@ def test_quiet_kineto_drops_only_the_kineto_line(capfd):
 
 
 def test_profile_steps_ranks_the_matmul_and_writes_a_trace(tmp_path, capfd):
-    a, b = torch.rand(256, 256), torch.rand(256, 256)
+    # 1024: the matmul's n^3 work dwarfs the relu's n^2 even when the other core's load preempts the relu (at 256,
+    # a 0.3 ms matmul lost to a preempted relu once under `make test`'s two workers)
+    a, b = torch.rand(1024, 1024), torch.rand(1024, 1024)
     prof = ah.pipeline.profile_steps(lambda: (a @ b).relu_(), steps=3, trace=tmp_path / "t" / "trace.json")
     names = [n for n, _, _ in ah.pipeline.top_ops(prof, 3)]
     assert names[0] == "aten::mm"
