@@ -23,6 +23,11 @@ from pathlib import Path
 import nbformat
 import psutil
 import pytest
+from papermill.iorw import load_notebook_node
+from papermill.parameterize import parameterize_notebook
+
+import accelhelpers as ah
+from tests.conftest import CHAPTER_01_PARAMS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "build" / "screenshots"
@@ -103,7 +108,12 @@ def lab(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "notebooks"
     root.mkdir()
-    shutil.copy(ROOT / "notebooks" / CHAPTER, root / CHAPTER)  # JupyterLab saves: never the committed notebook
+    # A copy (JupyterLab saves: never the committed notebook), with the small sizes of the shared CLI run injected
+    # after its parameters cell as papermill does: the browser is what is tested here, and nbval runs the chapter's
+    # own sizes.
+    nb = load_notebook_node(str(ROOT / "notebooks" / CHAPTER))  # papermill's reader: every cell gets its tags list
+    small = ah.commands.course.parse_parameters(CHAPTER_01_PARAMS, {"01": ROOT / "notebooks" / CHAPTER})["01"]
+    nbformat.write(parameterize_notebook(nb, small), root / CHAPTER)
     _notebook(root / "error_control.ipynb", "import sys, warnings\nprint('a harmless note', file=sys.stderr)\n"
               "warnings.warn('a harmless warning')", "1/0", "print('never reached')")
     # A new user's view, minus the one first-run question: "get notified about official Jupyter news?".
@@ -232,14 +242,15 @@ def _save(page, panel, path: Path, n_expected: int) -> nbformat.NotebookNode:
 
 def test_chapter_01_runs_in_jupyterlab_without_errors(lab, page):
     panel, state = _run_all(page, lab, CHAPTER)
-    n_code = sum(c.cell_type == "code" for c in nbformat.read(ROOT / "notebooks" / CHAPTER, as_version=4).cells)
+    n_code = sum(c.cell_type == "code" for c in nbformat.read(lab.root / CHAPTER, as_version=4).cells)
     errors = panel.evaluate(_ERROR_OUTPUTS_JS)
     assert not errors, "error output in JupyterLab:\n" + "\n\n".join(errors) + "\n" + "\n".join(page.console_errors)
     assert len(state["prompts"]) == n_code and all(re.fullmatch(r"\[\d+\]:", p) for p in state["prompts"]), \
         f"not every code cell ran: {state['prompts']}"
     assert panel.locator(".jp-OutputArea-output img").count() >= 1, "the roofline figure is not shown"
-    # code cells: the install cell, the `parameters` cell, then `S = ah.session.setup(...)`, which prints the report
-    setup = panel.locator(".jp-CodeCell").nth(2).locator(".jp-OutputArea").text_content()
+    # code cells: the install cell, the `parameters` cell, the injected one, then `S = ah.session.setup(...)`, which
+    # prints the report
+    setup = panel.locator(".jp-CodeCell").nth(3).locator(".jp-OutputArea").text_content()
     assert "best_device" in setup and "profile" in setup, f"the setup cell shows no hardware report: {setup!r}"
     saved = _save(page, panel, lab.root / CHAPTER, n_code)
     outputs = [o for c in saved.cells if c.cell_type == "code" for o in c.outputs]
