@@ -2,6 +2,7 @@
 helpers only on Colab, never torch (run here with a faked google.colab module, installing nothing)."""
 
 import importlib.machinery
+import importlib.util
 import json
 import re
 import subprocess
@@ -125,3 +126,13 @@ def test_colab_opens_each_chapter_on_its_accelerator(nb):
     meta = json.loads(nb.read_text())["metadata"]
     assert meta["accelerator"] == ("TPU" if nb.name.startswith("07_") else "GPU")
     assert "colab" in meta
+
+
+def test_the_colab_check_stops_in_one_line_before_an_image_that_cannot_fit(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("colab_check", ROOT / "tests" / "colab" / "check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(check.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2 * 2**30))
+    with pytest.raises(SystemExit, match=r"^error: 2\.0 GB free on this disk; Colab's gpu image needs about 9 GB"):
+        check.check_disk("gpu", tmp_path / ".venv-colab-gpu")
+    check.check_disk("gpu", tmp_path)  # an installed image's folder: updating it needs far less, so no check

@@ -83,6 +83,22 @@ def pip_install(cmd: list[str], tries: int = 3) -> None:
     sys.exit(f"pip failed {tries} times: {' '.join(cmd[3:])[:200]} ... (see its message above)")
 
 
+# An image's venv as installed here (torch's CUDA build and its libraries: 6.0 GB for the GPU image, 8.4 GB for the
+# TPU image, which adds torch 2.9 and torch_xla), plus room for pip's downloads.
+NEED_GB = {"gpu": 9, "tpu": 11}
+
+
+def check_disk(kind: str, env_dir: Path) -> None:
+    """Stop with one line before installing an image that cannot fit: a disk that fills up mid-install leaves a
+    broken venv and pip's error about a download, not about the disk."""
+    if env_dir.exists():
+        return  # an update of an installed image needs far less
+    free = shutil.disk_usage(ROOT).free / 2**30
+    if free < NEED_GB[kind]:
+        sys.exit(f"error: {free:.1f} GB free on this disk; Colab's {kind} image needs about {NEED_GB[kind]} GB here "
+                 f"(torch's CUDA build): free some space (old .venv-colab-* folders, build/) and run again")
+
+
 def make_env(kind: str) -> Path:
     env_dir = ROOT / f".venv-colab-{kind}"
     py = env_dir / "bin" / "python"
@@ -93,6 +109,7 @@ def make_env(kind: str) -> Path:
                                                text=True).stdout.strip()])
     if stamp.exists() and stamp.read_text() == want:
         return py
+    check_disk(kind, env_dir)
     if not py.exists():
         venv.create(env_dir, with_pip=True)
     build = ROOT / "build"
