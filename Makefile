@@ -26,13 +26,15 @@ course: venv
 	$(BIN)/python -m accelhelpers course run --profile quick
 
 # Two pytest-xdist workers, one test file (or notebook) each at a time: the file's module fixtures and a notebook's
-# cells stay together; the longest files go first (tests/conftest.py: COST), so the short ones fill the end. Two
-# workers share two cores: each worker's torch gets one thread (OMP_NUM_THREADS=1, one core each; a cell or test that
-# is about threads sets its own count), and OpenMP's threads sleep instead of spinning while they wait
-# (OMP_WAIT_POLICY=PASSIVE: about 2.7x the throughput of two busy-waiting processes here). Timing tests compare within
-# one process, so they hold under the load; the chapters' own figures come from `make course`.
+# cells stay together; the longest files go first (tests/conftest.py: COST; --no-loadscope-reorder keeps that
+# order), so the short ones fill the end. Two workers share two cores: each worker's torch gets one thread
+# (OMP_NUM_THREADS=1, one core each; a cell or test that is about threads sets its own count), and OpenMP's threads
+# sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE: about 2.7x the throughput of two busy-waiting
+# processes here). Timing tests compare within one process, so they hold under the load; the chapters' own figures
+# come from `make course`.
 test: venv lint browser slurm
-	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests notebooks --nbval -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests notebooks --nbval -n 2 --dist loadfile \
+		--no-loadscope-reorder
 
 # The edit-test loop (under 3 minutes on 2 cores): the package's tests without the slow ones (tests/conftest.py marks
 # them: notebooks, other processes, seconds of training). `make test` runs everything, these included.

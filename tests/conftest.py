@@ -188,15 +188,19 @@ SLOW = {
 SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "straight_bf16"}, "test_slurm": {"cluster"}}
 
 
-# `make test` runs on two xdist workers, one file at a time each, in collection order: the longest files go first
-# (seconds each took under `make test` on the 2-core machine, rounded), so that the short ones fill the end and no
-# worker is left alone with a long file. A file not named here goes after these, in the usual order.
-COST = {"test_fullbatch": 170, "test_course": 130, "02_fullbatch_fast_loop": 120, "test_reproduce": 100,
-        "06_distributed_data_parallel": 100, "11_speedrun": 100, "03_momentum_adam_one_cycle": 95,
-        "test_parallel": 90, "test_slurm": 80, "07_tpus_and_xla": 75, "08_quantization_onnx_fpga": 75,
-        "test_browser": 70, "09_long_runs": 65, "01_hardware_and_timing": 60, "05_input_pipeline": 60,
-        "12_on_a_cluster": 60, "test_toolflows": 60, "10_deployment_toolflows": 58, "test_longrun": 50,
-        "04_mixed_precision": 40}
+# `make test` runs on two xdist workers, one file at a time each, in collection order (`--no-loadscope-reorder`:
+# xdist would otherwise send the files with the most tests first): the longest files go first, so that the short ones
+# fill the end and no worker is left alone with a long file. The seconds are each file's wall time on its worker in
+# a fresh clone's `make test` on the 2-core machine (2026-12-02). A file not named here goes after these, in the usual
+# order.
+COST = {"test_fullbatch": 110, "test_course": 96, "06_distributed_data_parallel": 92, "11_speedrun": 77,
+        "02_fullbatch_fast_loop": 76, "03_momentum_adam_one_cycle": 69, "test_parallel": 67, "test_reproduce": 67,
+        "12_on_a_cluster": 64, "08_quantization_onnx_fpga": 56, "09_long_runs": 56, "test_slurm": 55,
+        "05_input_pipeline": 48, "07_tpus_and_xla": 45, "test_longrun": 39, "10_deployment_toolflows": 35,
+        "01_hardware_and_timing": 32, "test_browser": 31, "04_mixed_precision": 28, "test_toolflows": 16,
+        "test_deploy": 16, "test_speedrun": 15, "test_checkpoint": 14, "test_peers": 11, "test_course_runner": 10,
+        "test_precision": 10, "test_nonfinite": 10, "test_progress": 7, "test_oom": 7, "test_pipeline": 7,
+        "test_xla": 6}
 
 
 def pytest_collection_modifyitems(config, items):
