@@ -212,6 +212,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture()
+def cli_here(capsys):
+    """`cli_here(*args, env=None)`: the CLI's `main` in this process (exit status, stdout and stderr, as a
+    CompletedProcess): for more error paths of a command once one has gone through `python -m accelhelpers` in a new
+    process, without paying another interpreter and torch import for each."""
+    import os
+    import subprocess
+    from unittest import mock
+
+    from accelhelpers.__main__ import main
+
+    def run(*args, env=None) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        with mock.patch.dict(os.environ, env or {}):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse: --version, --help and its own usage errors
+                code = e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    return run
+
+
 # --- one run of chapter 01, shared ------------------------------------------------------------------------------------
 # The CLI test, the papermill-parameters test and the report test all read this one run (a course run through the
 # CLI, with --param and small sizes), so `make test` executes chapter 01 here once, beside nbval's run and

@@ -26,23 +26,6 @@ def cli(*args, env=None, cwd=ROOT):
                           cwd=cwd, env=full, timeout=300)
 
 
-def cli_here(capsys, *args, env=None) -> subprocess.CompletedProcess:
-    """The CLI's `main` in this process, as `cli` runs it in a new one (exit status, stdout, stderr): for more error
-    paths of one command, once `cli` has shown that path through the real entry point."""
-    from unittest import mock
-
-    from accelhelpers.__main__ import main
-
-    capsys.readouterr()
-    with mock.patch.dict(os.environ, env or {}):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse: --version, --help and its own usage errors
-            code = e.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
-
-
 def _notebook(path: Path, *sources: str) -> None:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -93,27 +76,27 @@ def test_run_goes_on_past_a_failing_chapter_and_names_it(toy_course):
     assert "headline result not recorded, chapter 01: fp32_matmul_peak" in r.stderr
 
 
-def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path, capsys):
+def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path, cli_here):
     out = tmp_path / "out"
     r = cli("course", "run", "--only", "99", "--out", str(out))  # through the real entry point, in a new process
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert "no chapter '99': choose from 01" in r.stderr and not out.exists()
-    r = cli_here(capsys, "course", "run", "--profile", "bogus", "--out", out)
+    r = cli_here("course", "run", "--profile", "bogus", "--out", out)
     assert r.returncode == 2 and "invalid choice: 'bogus' (choose from 'quick', 'full')" in r.stderr
     assert not out.exists()
     if "cuda" not in ah_devices():
-        r = cli_here(capsys, "bench", "fullbatch", "--rounds", "1", env={"ACCEL_DEVICE": "cuda"})
+        r = cli_here("bench", "fullbatch", "--rounds", "1", env={"ACCEL_DEVICE": "cuda"})
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert r.stderr.strip() == ("error: device 'cuda' is not present on this machine; present here: "
                                     f"{', '.join(ah_devices())}. Unset ACCEL_DEVICE or pass one of those.")
-    assert cli_here(capsys, "--version").stdout.strip().startswith("accelhelpers 0.")
+    assert cli_here("--version").stdout.strip().startswith("accelhelpers 0.")
     afile = tmp_path / "file.txt"
     afile.write_text("x")
-    r = cli_here(capsys, "course", "run", "--out", afile)
+    r = cli_here("course", "run", "--out", afile)
     assert r.returncode == 2 and "is a file, not a folder" in r.stderr and afile.read_text() == "x"
-    r = cli_here(capsys, "course", "report", "--out", out)
+    r = cli_here("course", "report", "--out", out)
     assert r.returncode == 2 and "no course run found" in r.stderr
-    r = cli_here(capsys, "env", env={"ACCEL_PROFILE": "bogus"})
+    r = cli_here("env", env={"ACCEL_PROFILE": "bogus"})
     assert r.returncode == 0 and "invalid" in r.stdout
 
 
@@ -325,7 +308,7 @@ def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_s
     assert page.count("<h2 id=ch") == 2 and "{{" not in page and "{%" not in page
 
 
-def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path, monkeypatch, capsys):
+def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path, monkeypatch, cli_here):
     """Only the package's own input errors (CommandError, DeviceUnavailable) become one line and exit 2; any other
     exception, a ValueError from deep inside included, is a bug and keeps its traceback."""
     from accelhelpers.__main__ import main
@@ -334,9 +317,9 @@ def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path,
     r = cli("course", "report", "--out", str(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "run.json is not valid JSON" in r.stderr
-    r = cli_here(capsys, "reproduce", "udlbook-20.2", "--depths", "7", "--out", tmp_path / "udl")
+    r = cli_here("reproduce", "udlbook-20.2", "--depths", "7", "--out", tmp_path / "udl")
     assert r.returncode == 2 and r.stderr.strip() == "error: --depths must be among 1,2,3,4, got [7]"
-    r = cli_here(capsys, "reproduce", "udlbook-20.2", "--depths", "one", "--out", tmp_path / "udl")
+    r = cli_here("reproduce", "udlbook-20.2", "--depths", "one", "--out", tmp_path / "udl")
     assert r.returncode == 2 and "'one' is not a comma-separated list of depths" in r.stderr
     assert not (tmp_path / "udl").exists()
 
