@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,12 +106,8 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-StopOn = str | Callable[[str], bool] | None  # a marker a line holds, or a test of the whole output so far
-
-
-def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: StopOn) -> tuple[list[str], str]:
-    """Lines until the output ends ('eof'), `stop_on` is met ('marker': a line holds that text, or the function is
-    true of the output so far) or the deadline passes ('deadline')."""
+def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | None) -> tuple[list[str], str]:
+    """Lines until the output ends ('eof'), a line holds `stop_on` ('marker') or the deadline passes ('deadline')."""
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:  # a thread, so that this reader can keep the deadline
@@ -134,15 +129,15 @@ def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: StopOn) 
         shown = visible(line)
         if echo and shown is not None:
             print(shown, end="", flush=True)
-        if stop_on and (stop_on("".join(out)) if callable(stop_on) else stop_on in line):
+        if stop_on and stop_on in line:
             return out, "marker"
         if time.monotonic() > deadline:
             return out, "deadline"
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, check: bool = True,
-           stop_on: StopOn = None, stop_ok: bool = False) -> Run:
-    """Stream a child's output to its exit; kill its group once `stop_on` is met (returncode None) or past
+           stop_on: str | None = None, stop_ok: bool = False) -> Run:
+    """Stream a child's output to its exit; kill its group at a `stop_on` line (returncode None) or past
     `timeout_s` (TimeoutError, or returncode None with `stop_ok`); a nonzero exit with `check`: RuntimeError."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
@@ -166,7 +161,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
 
 
 def launch(cmd: list[str], timeout_s: float = 120.0, echo: bool = True, check: bool = True,
-           env: dict[str, str | None] | None = None, stop_on: StopOn = None, stop_ok: bool = False) -> Run:
+           env: dict[str, str | None] | None = None, stop_on: str | None = None, stop_ok: bool = False) -> Run:
     """Run `cmd` (e.g. torchrun_cmd(...)) to the end, printing its output as it arrives (see `finish`)."""
     if timeout_s <= 0:  # before anything starts
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")

@@ -190,8 +190,7 @@ def compile_causes(debug_file: str | Path, start: int = 0) -> tuple[list[str], i
 def launch_demo(script: str | Path, devices: int = 2, all_reduce: bool = False,
                 timeout: float = 60.0) -> tuple[int | None, str]:
     """Run a torch_xla.launch `script` over `devices` XLA CPU devices in a fresh process; returns (exit code,
-    output), exit code None when stopped after `timeout` seconds or at a stall: XLA says the run "may be stuck"
-    after every replica has started (on a busy machine a replica can start after the first one's warning)."""
+    output), exit code None when stopped after `timeout` seconds or at a line saying the run "may be stuck"."""
     if devices < 1:
         raise ValueError("launch_demo needs devices >= 1")
     if not ah.device.xla_installed():
@@ -199,10 +198,5 @@ def launch_demo(script: str | Path, devices: int = 2, all_reduce: bool = False,
     env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PT_XLA_DEBUG_LEVEL": None,
            "PT_XLA_DEBUG_FILE": None}
     cmd = [sys.executable, str(script)] + (["--all-reduce"] if all_reduce else [])
-
-    def stalled(out: str) -> bool:
-        starts = [m.end() for m in re.finditer(r"^replica \d+: ordinal", out, flags=re.M)]
-        return len(starts) >= devices and "may be stuck" in out[starts[-1]:]
-
-    run = ah.launch.launch(cmd, timeout, echo=False, check=False, env=env, stop_on=stalled, stop_ok=True)
+    run = ah.launch.launch(cmd, timeout, echo=False, check=False, env=env, stop_on="may be stuck", stop_ok=True)
     return run.returncode, run.output
