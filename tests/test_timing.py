@@ -15,7 +15,7 @@ from accelhelpers import timing
 
 def test_benchmark_measures_a_known_sleep():
     t = ah.timing.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
-    assert 0.0018 < t.median < 0.01
+    assert 0.0018 < t.median < 0.05  # a busy machine oversleeps; the bound still tells seconds from milliseconds
     assert t.best <= t.median <= t.worst and len(t.times) == 3 and t.calls_per_repeat >= 1
     assert "median" in str(t)
 
