@@ -207,8 +207,9 @@ def test_top_ops_and_range_ms_read_named_ranges():
 def test_data_wait_share_tells_starved_from_fed():
     starved = ah.pipeline.data_wait_share(DataLoader(_Slow(0.01), batch_size=2), lambda xb, yb: None)
     assert starved.steps == 4 and starved.share > 0.9 and starved.verdict().startswith("starved")
+    # a step long enough that a busy machine's collate (15 ms a batch seen in CI) stays small beside it
     fed = ah.pipeline.data_wait_share(DataLoader(_Slow(0.0), batch_size=2), lambda xb, yb: time.sleep(0.25),
-                                      max_steps=3)  # a step long enough that a busy machine's collate stays small beside it
+                                      max_steps=3)
     assert fed.steps == 3 and fed.share < 0.2 and not fed.verdict().startswith("starved")
     assert ah.pipeline.Starvation(0.2, 0.8, 1).verdict().startswith("partly starved")
     with pytest.raises(ValueError, match="no batches"):
