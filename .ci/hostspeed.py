@@ -2,8 +2,8 @@
 matmul GFLOP/s (a cache-resident kernel), a full-batch training step of udlbook's depth-1 MLP (4000 x 298
 activations: it lives in the shared L3 cache and memory, which neighbours on the host contend for), a 64-MB copy and
 the interpreter's loop rate; medians (and ranges) of 7 repeats of ah.timing.benchmark. The same VM type has run the
-suite anywhere from 12.5 to 15 minutes on different days, and the udlbook step at 232 and at 80 steps/s with the
-matmul within 20 %: these figures say which kind of day it was."""
+suite anywhere from 12.5 to 15 minutes on different days, and chapter 02's depth-1 step at less than half its
+earlier speed on a day the matmul read within 20 % of its usual figure: these say which kind of day it was."""
 
 import torch
 
