@@ -12,7 +12,7 @@ PIP = for i in 1 2 3; do $(1) -m pip install -q $(2) && break; \
 	echo "pip failed (attempt $$i of 3); trying again in 10 s"; sleep 10; done
 
 .PHONY: venv course test test-fast test-compat test-colab device-check lab notebooks bench lint clean export \
-	browser slurm venv-edge
+	browser slurm venv-edge links
 
 venv: $(STAMP)
 
@@ -62,7 +62,12 @@ test-compat: $(COMPAT)/.installed
 # and pillow 12: it runs the chapters those reach (01's setup and device report, 05's images, 07's XLA, 08 and 10's
 # ONNX); every chapter runs under the GPU image's newer torch.
 TPU_IMAGE_CHAPTERS := 01,05,07,08,10
-test-colab: venv
+test-co# The Colab badges and setup cells, written from pyproject.toml's [project.urls] Repository and the version (README:
+# Publishing); tests/test_colab.py fails when they disagree.
+links: venv
+	$(BIN)/python -m accelhelpers course links
+
+lab: venv
 	$(BIN)/python tests/colab/check.py gpu
 	$(BIN)/python tests/colab/check.py tpu --only $(TPU_IMAGE_CHAPTERS)
 
@@ -101,6 +106,11 @@ slurm:
 # cell, `make export` (or `make export NB=notebooks/03_momentum_adam_one_cycle.ipynb` for one chapter).
 export: venv
 	$(BIN)/python tests/nbexport.py $(NB)
+
+# The Colab badges and setup cells, written from pyproject.toml's [project.urls] Repository and the version (README:
+# Publishing); tests/test_colab.py fails when they disagree.
+links: venv
+	$(BIN)/python -m accelhelpers course links
 
 lab: venv
 	$(BIN)/jupyter lab notebooks

@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--only", default=None, help="comma-separated chapter numbers (default: all that can use it)")
     rd = csub.add_parser("readme", help="write the README's results tables from results/")
     rd.add_argument("--check", action="store_true", help="only check that the README's tables are current")
+    lk = csub.add_parser("links", help="write the chapters' Colab badges and setup cells (and the README's badges) "
+                         "from pyproject.toml's [project.urls] Repository and the package version")
+    lk.add_argument("--check", action="store_true", help="only check that they agree; write nothing")
     rep = csub.add_parser("report", help="write report.html and report.md from the last run")
     rep.add_argument("--out", type=Path, default=None, help="the run's folder (default: build/)")
     return p
@@ -100,6 +103,18 @@ def main(argv: list[str] | None = None) -> int:
             return reproduce_main(args)
         from .commands import course
 
+        if args.action == "links":
+            from .commands import links
+
+            changed = links.sync(check=args.check)
+            if not changed:
+                print(f"badges and setup cells: current ({links.release()})")
+                return 0
+            if args.check:
+                print(f"differ from pyproject.toml: {', '.join(changed)}: run `make links`", file=sys.stderr)
+                return 1
+            print(f"written: {', '.join(changed)}")
+            return 0
         if args.action == "readme":
             if course.write_readme(check=args.check):
                 print("README.md: results tables " + ("are current" if args.check else "written from results/"))

@@ -1,5 +1,6 @@
-"""Colab: every chapter's badge and setup cell name the one repository URL, and the setup cell installs the
-helpers only on Colab, never torch (run here with a faked google.colab module, installing nothing)."""
+"""Colab: every chapter's badge and setup cell are written from pyproject.toml's one repository URL and the version,
+and the setup cell installs the helpers only on Colab, never torch, and fails in one line (run here with a faked
+google.colab module, installing nothing)."""
 
 import importlib.machinery
 import importlib.util
@@ -17,7 +18,9 @@ import accelhelpers as ah
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-SLUG = ah.commands.course.REPO_URL.removeprefix("https://github.com/")
+REPO_URL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+SLUG = REPO_URL.removeprefix("https://github.com/")
+RELEASE = f"v{ah.__version__}"
 
 
 def _cells(nb_path):
@@ -33,7 +36,38 @@ def _setup_source(nb_path):
 def test_badge_points_at_this_notebook_in_the_one_repository(nb):
     first = "".join(_cells(nb)[0]["source"])
     badges = re.findall(r"https://colab\.research\.google\.com/github/([^)\s]+)", first)
-    assert badges == [f"{SLUG}/blob/main/notebooks/{nb.name}"]
+    assert badges == [f"{SLUG}/blob/{RELEASE}/notebooks/{nb.name}"]
+
+
+def test_badges_and_setup_cells_agree_with_pyproject(cli_here):
+    """`course links --check` (what `make links` writes) finds nothing to change: the notebooks and the README name
+    the repository and release of pyproject.toml."""
+    assert cli_here("course", "links", "--check").returncode == 0
+
+
+def test_links_rewrites_a_stale_badge_and_setup_cell(tmp_path):
+    """A copy of the course whose pyproject names another repository: `sync` rewrites every badge and setup cell
+    to it, and `--check` then finds nothing left."""
+    import shutil
+
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("[!0-9]*"))
+    py = tmp_path / "pyproject.toml"
+    py.write_text(py.read_text().replace(REPO_URL, "https://github.com/someone/fork"))
+    changed = ah.commands.links.sync(tmp_path)
+    assert len(changed) == len(NOTEBOOKS) + 1
+    assert ah.commands.links.sync(tmp_path, check=True) == []
+    for nb in sorted((tmp_path / "notebooks").glob("*.ipynb")):
+        assert f"git+https://github.com/someone/fork@{RELEASE}" in _setup_source(nb)
+        assert "github/someone/fork/blob/" in "".join(_cells(nb)[0]["source"])
+    assert "github/someone/fork/blob/" in (tmp_path / "README.md").read_text()
+
+
+def test_links_refuses_a_repository_that_is_not_a_github_url(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[project.urls]\nRepository = "accel-course"\n')
+    with pytest.raises(ah.commands.CommandError, match=r"\[project.urls\] Repository"):
+        ah.commands.links.sync(tmp_path)
 
 
 EXTRAS = {"08": "course,deploy", "10": "course,deploy,edge"}  # every other chapter: the `course` extra
@@ -44,9 +78,14 @@ def _install_part(nb):
     return src[: src.index("import accelhelpers as ah")]
 
 
-def _installs(nb, monkeypatch, **env):
+def _installs(nb, monkeypatch, returncode=0, stderr="", **env):
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, returncode, "", stderr)
+
+    monkeypatch.setattr(subprocess, "run", run)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     exec(_install_part(nb), {})
@@ -69,8 +108,20 @@ def test_setup_cell_installs_the_release_only_on_colab_and_kaggle(nb, monkeypatc
         assert len(calls) == 1
         cmd = calls[0]
         assert cmd[:4] == [sys.executable, "-m", "pip", "install"]
-        assert f"accelhelpers[{extras}] @ git+{ah.commands.course.REPO_URL}@{ah.commands.course.RELEASE}" in cmd
+        assert f"accelhelpers[{extras}] @ git+{REPO_URL}@{RELEASE}" in cmd
         assert not any(re.match(r"torch\b", arg) for arg in cmd), "the setup cell must never reinstall torch"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_failed_install_stops_the_setup_cell_in_one_line(nb, monkeypatch):
+    """pip fails (no such tag, no internet): the cell stops with one line naming what failed and what to do, not a
+    CalledProcessError traceback."""
+    monkeypatch.setenv("KAGGLE_KERNEL_RUN_TYPE", "Interactive")
+    pip_err = "Collecting x\n  ERROR: Could not find a version that satisfies the requirement (tag v9 not found)\n"
+    with pytest.raises(SystemExit) as stop:
+        _installs(nb, monkeypatch, returncode=1, stderr=pip_err)
+    message = str(stop.value)
+    assert "\n" not in message and "tag v9 not found" in message and "Internet" in message and RELEASE in message
 
 
 def test_release_is_this_package_version():
@@ -80,7 +131,7 @@ def test_release_is_this_package_version():
 
     assert 'dynamic = ["version"]' in (ROOT / "pyproject.toml").read_text()
     assert version("accelhelpers") == ah.__version__
-    assert ah.commands.course.RELEASE == f"v{ah.__version__}"
+    assert ah.commands.links.release() == RELEASE
 
 
 def _pins(path):

@@ -11,17 +11,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from .. import __version__
 from ..device import PROFILES, format_report, hardware_report, machine_line
 from ..results import atomic_write_text, load_results, read_json, repo_root
 from ..timing import hours
 from . import CommandError
 
-# The one place the course's repository is named: badges and Colab setup cells must agree (tests/test_colab.py).
-REPO_URL = "https://github.com/accel-course/accel-course"
-# The release the notebooks' Colab/Kaggle setup cells install: the tag of this package version, so a notebook
-# opened from its badge gets the helpers it was written with, not whatever main holds that day.
-RELEASE = f"v{__version__}"
 # Folders of recorded evidence that a run must never write into (results/ and the course runs committed there).
 RECORDED = ("results",)
 
