@@ -11,7 +11,7 @@ PIP = for i in 1 2 3; do $(1) -m pip install -q $(2) && break; \
 	if [ $$i = 3 ]; then echo "pip failed 3 times (see its message above)"; exit 1; fi; \
 	echo "pip failed (attempt $$i of 3); trying again in 10 s"; sleep 10; done
 
-.PHONY: venv course test test-fast test-compat test-colab device-check lab notebooks bench lint clean export \
+.PHONY: venv course test test-numerics test-fast test-compat test-colab device-check lab notebooks bench lint clean export \
 	browser slurm venv-edge links
 
 venv: $(STAMP)
@@ -35,6 +35,15 @@ course: venv
 test: venv lint browser slurm
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests notebooks --nbval -n 2 --dist loadfile \
 		--no-loadscope-reorder
+
+# nbval again on a second numeric path of this CPU: other vector kernels (tests/numeric_path.py picks them, one level
+# below this CPU's, and first checks that they change a training run's bits here), so the compared outputs are shown
+# to hold on another CPU without a second machine. A fresh inductor cache: torch 2.9's does not key on
+# ATEN_CPU_CAPABILITY (a kernel compiled for AVX-512 and loaded under avx2 killed a Jupyter kernel).
+test-numerics: venv slurm
+	@path=$$($(BIN)/python tests/numeric_path.py) && echo "second numeric path: $$path" && rm -rf build/inductor-numerics && \
+	env $$path TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/inductor-numerics OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE \
+		$(BIN)/python -m pytest notebooks --nbval -n 2 --dist loadfile --no-loadscope-reorder -q
 
 # The edit-test loop (under 3 minutes on 2 cores): the package's tests without the slow ones (tests/conftest.py marks
 # them: notebooks, other processes, seconds of training). `make test` runs everything, these included.

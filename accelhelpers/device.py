@@ -1,4 +1,6 @@
-"""Devices: pick the best one, describe the hardware, synchronise, and choose the run profile."""
+"""Devices: pick the best one, describe the hardware (`Hardware`, what the device, dtype, attention and placement
+decisions are functions of; `hardware_report`, what a result was measured on), synchronise, and choose the run
+profile."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import importlib.util
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,8 @@ def xla_version() -> str | None:
 # (torch_xla/_internal/tpu.py, `num_available_chips`; tests/test_device.py keeps this list equal to it).
 GOOGLE_PCI_VENDOR = "0x1ae0"
 TPU_PCI_DEVICES = ("0x0027", "0x005e", "0x0063", "0x006f", "0x0056", "0x0062", "0x0076")
+# the generations its comments name beside those ids
+TPU_GENERATIONS = {"0x0027": "v2/v3", "0x005e": "v4", "0x0063": "v5e", "0x006f": "v6e", "0x0076": "7x"}
 
 
 def tpu_chips(pci_root: str | os.PathLike = "/sys/bus/pci/devices") -> int:
@@ -68,6 +73,19 @@ def tpu_chips(pci_root: str | os.PathLike = "/sys/bus/pci/devices") -> int:
         except OSError:
             continue
     return chips
+
+
+def tpu_generation(pci_root: str | os.PathLike = "/sys/bus/pci/devices") -> str | None:
+    """The generation of the first TPU chip on the PCI bus ('v5e' on Colab's TPU runtime), or None."""
+    for vendor in sorted(Path(pci_root).glob("*/vendor")):
+        try:
+            if vendor.read_text().strip() == GOOGLE_PCI_VENDOR:
+                gen = TPU_GENERATIONS.get((vendor.parent / "device").read_text().strip())
+                if gen:
+                    return gen
+        except OSError:
+            continue
+    return None
 
 
 def tpu_present() -> bool:
@@ -113,6 +131,55 @@ def best_device(prefer: str | None = None) -> torch.device:
 
         return torch_xla.device()
     return torch.device(kind, int(index)) if index else torch.device(kind)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the device, backend, dtype and attention decisions depend on, as plain facts: the decisions are functions
+    of this description, so tests can hand them real machines' profiles (tests/test_hardware.py)."""
+
+    kind: str = "cpu"                          # the device kind this process computes on: cuda, xla, mps or cpu
+    gpu: str | None = None                     # the first visible GPU's name
+    capability: tuple[int, int] | None = None  # its CUDA compute capability (major, minor)
+    gpu_memory_gb: float | None = None         # its memory in GiB
+    gpus: int = 0                              # GPUs this process sees (after CUDA_VISIBLE_DEVICES)
+    gpus_per_task: bool = False                # the launcher bound each task its own GPU(s): Slurm --gpus-per-task
+    cpu_bf16: bool = False                     # the CPU has avx512_bf16 or amx_bf16
+    tpu: str | None = None                     # the TPU generation, e.g. 'v5e'
+
+    @property
+    def sm80(self) -> bool:
+        """A CUDA GPU of compute capability 8.0 (Ampere) or newer."""
+        return self.kind == "cuda" and self.capability is not None and self.capability >= (8, 0)
+
+    @property
+    def bf16_native(self) -> bool:
+        """bf16 runs in hardware: CUDA from sm 8.0 (torch.cuda.is_bf16_supported() counts emulation: True on a T4),
+        TPUs, CPUs with AVX512-BF16/AMX."""
+        return self.sm80 or self.kind == "xla" or (self.kind == "cpu" and self.cpu_bf16)
+
+    @property
+    def flash_attention(self) -> bool:
+        """PyTorch's FlashAttention kernel runs here: CUDA from sm 8.0 (check_flash_attention_hardware_support)."""
+        return self.sm80
+
+    @classmethod
+    def here(cls, device: torch.device | str | None = None) -> Hardware:
+        """This process's hardware, computing on `device` (default: the kind best_device would pick)."""
+        have = available_devices()
+        want = os.environ.get("ACCEL_DEVICE", "").lower().partition(":")[0]
+        kind = torch.device(device).type if device is not None else (want if want in have else have[0])
+        env = os.environ  # srun --gpus-per-task: SLURM_GPUS_PER_TASK before Slurm 23.11, SLURM_TRES_PER_TASK since
+        bound = "SLURM_GPUS_PER_TASK" in env or "gres/gpu" in env.get("SLURM_TRES_PER_TASK", "")
+        facts: dict[str, Any] = {"gpus_per_task": bound,
+                                 "cpu_bf16": any(f in _cpu_info()[1] for f in ("avx512_bf16", "amx_bf16"))}
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            facts.update(gpu=p.name, capability=(p.major, p.minor), gpu_memory_gb=round(p.total_memory / 2**30, 1),
+                         gpus=torch.cuda.device_count())
+        if kind == "xla":
+            facts["tpu"] = tpu_generation()
+        return cls(kind, **facts)
 
 
 def as_device(device: torch.device | str) -> torch.device:
@@ -170,7 +237,7 @@ def hardware_report() -> dict[str, Any]:
         p = torch.cuda.get_device_properties(0)
         report.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 2**30, 1),
                       compute_capability=f"{p.major}.{p.minor}", gpu_count=torch.cuda.device_count(),
-                      cuda_bf16=bool(torch.cuda.is_bf16_supported()))
+                      cuda_bf16=Hardware.here("cuda").bf16_native)
     report["best_device"] = report["devices"][0]
     try:
         report["profile"] = choose_profile()

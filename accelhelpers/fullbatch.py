@@ -339,10 +339,10 @@ class Variant:
     precision: str = "fp32"  # the peak the row is measured against
 
 
-def bf16_ok(device: torch.device) -> bool:
-    """Whether bf16 autocast runs here: on every CPU (natively where it has AVX-512 BF16 or AMX), on CUDA from
-    compute capability 8.0."""
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+def bf16_ok(hw: ah.device.Hardware) -> bool:
+    """Whether the bf16 row runs on hardware `hw`: on every CPU (natively where it has AVX-512 BF16 or AMX), on CUDA
+    from compute capability 8.0 (`torch.cuda.is_bf16_supported()` also counts emulation: True on a T4)."""
+    return hw.kind == "cpu" or (hw.kind == "cuda" and hw.bf16_native)
 
 
 def autocast_bf16(run: Callable[[int], object], device: torch.device) -> Callable[[int], object]:
@@ -387,7 +387,7 @@ def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True) -> li
                     lambda: FullGraphLoop(pad_mlp(m()), data, LR).run),
             Variant("test/100", "+ the test error every 100 epochs", 1,
                     lambda: FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run)]
-        if bf16_ok(data.device):
+        if bf16_ok(ah.device.Hardware.here(data.device)):
             rows.append(Variant("bf16", "+ bf16 autocast (chapter 04), fp32 weights", 1, lambda: autocast_bf16(
                 FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run, data.device), "bf16"))
     models = lambda: [pad_mlp(ah.models.udl_mlp(DEPTH, seed=i)) for i in range(n_models)]

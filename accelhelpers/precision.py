@@ -11,7 +11,7 @@ __all__ = ['FORMATS', 'PREFERENCES', 'ieee_facts', 'format_facts', 'format_table
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -168,11 +168,12 @@ PREFERENCES = ("bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
-def auto_choice(kind: str, report: dict[str, Any]) -> tuple[str, str]:
-    """The preferred format on a device kind given the hardware report (`ah.device.hardware_report()`), and why."""
+def auto_choice(hw: ah.device.Hardware) -> tuple[str, str]:
+    """The preferred format on hardware `hw` (`ah.device.Hardware.here(device)` for this machine), and why."""
+    kind = hw.kind
     if kind == "cuda":
-        cc = str(report.get("compute_capability") or "0.0")
-        if int(cc.split(".")[0]) >= 8:
+        cc = "{}.{}".format(*hw.capability) if hw.capability else "unknown"
+        if hw.bf16_native:
             return "bf16", f"compute capability {cc} has bf16 tensor cores; fp32 range, no scaler needed"
         return "fp16", f"compute capability {cc} has no fast bf16; fp16 tensor cores need loss scaling"
     if kind == "xla":
@@ -180,28 +181,27 @@ def auto_choice(kind: str, report: dict[str, Any]) -> tuple[str, str]:
     if kind == "mps":
         return "fp16", "MPS autocasts fp16 on every macOS (bf16 only from macOS 14); scaler for its range"
     if kind == "cpu":
-        if report.get("cpu_bf16_native"):
+        if hw.bf16_native:
             return "bf16", "CPU has AVX512-BF16/AMX: oneDNN runs bf16 matmuls natively"
         return "bf16", "CPU lacks AVX512-BF16/AMX: bf16 is emulated and may be slower than fp32 (prefer='fp32')"
     raise ValueError(f"no precision policy for device type {kind!r}: use cuda, xla, mps or cpu")
 
 # %% ../notebooks/04_mixed_precision.ipynb #c04042
 def policy_for(device: torch.device | str, prefer: str | None = None,
-               report: dict[str, Any] | None = None) -> Policy:
-    """The mixed-precision policy for `device`: CUDA bf16 where supported else fp16 + scaler, CPU bf16, XLA bf16,
-    MPS fp16 + scaler (from `report`, default the hardware report); `prefer` ('bf16', 'fp16', 'fp32') overrides,
+               hw: ah.device.Hardware | None = None) -> Policy:
+    """The mixed-precision policy for `device`: CUDA bf16 from sm 8.0 else fp16 + scaler, CPU bf16, XLA bf16,
+    MPS fp16 + scaler (from `hw`, default this machine's hardware); `prefer` ('bf16', 'fp16', 'fp32') overrides,
     with a clear error where it cannot work."""
     kind = torch.device(device).type
     if prefer is not None and prefer not in PREFERENCES:
         raise ValueError(f"prefer={prefer!r} is not a precision: choose one of {', '.join(PREFERENCES)}")
     if kind not in ("cuda", "xla", "mps", "cpu"):
         raise ValueError(f"no precision policy for device type {kind!r}: use cuda, xla, mps or cpu")
-    if prefer:
-        name, reason = prefer, "asked for"
-    else:
-        name, reason = auto_choice(kind, ah.device.hardware_report() if report is None else report)
-    if kind == "cuda" and name == "bf16" and prefer and not torch.cuda.is_bf16_supported():
-        raise ValueError("this CUDA GPU does not support bf16: use prefer='fp16' (with the scaler) or 'fp32'")
+    hw = replace(ah.device.Hardware.here(kind) if hw is None else hw, kind=kind)
+    name, reason = (prefer, "asked for") if prefer else auto_choice(hw)
+    if kind == "cuda" and name == "bf16" and not hw.bf16_native:
+        raise ValueError(f"this CUDA GPU ({hw.gpu or 'compute capability below 8.0'}) does not support bf16 in "
+                         "hardware: use prefer='fp16' (with the scaler) or 'fp32'")
     if kind == "xla" and name == "fp16":
         raise ValueError("XLA autocast runs in bf16: use prefer='bf16' or 'fp32' on a TPU")
     return Policy(kind, _DTYPES[name], name == "fp16", reason)

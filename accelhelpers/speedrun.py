@@ -325,12 +325,15 @@ class Row:
         return ", ".join(f"{k}={v}" for k, v in self.change.items()) or "-"
 
 
-def needs(change: dict[str, Any], device: torch.device | str, devices: int) -> str | None:
-    """Why a row's change cannot run here, or None: a forced SDPA backend and CUDA graphs need CUDA; `world` ranks
+def needs(change: dict[str, Any], hw: ah.device.Hardware, devices: int) -> str | None:
+    """Why a row's change cannot run on hardware `hw`, or None: a forced SDPA backend and CUDA graphs need CUDA, the
+    FlashAttention backend compute capability 8.0 (PyTorch's check_flash_attention_hardware_support); `world` ranks
     need `world` devices (`devices`: GPUs on a GPU machine, cores on a CPU)."""
-    cuda = torch.device(device).type == "cuda"
+    cuda = hw.kind == "cuda"
     if change.get("backend") and not cuda:
         return "needs CUDA (a GPU's SDPA backend)"
+    if change.get("backend") == "flash" and not hw.flash_attention:
+        return f"needs compute capability 8.0 or newer (FlashAttention), {hw.gpu or 'an older GPU'} here"
     if change.get("compile") in _GRAPH_MODES and not cuda:
         return "needs CUDA (CUDA graphs)"
     if change.get("world", 1) > devices:
@@ -347,12 +350,13 @@ class Planned:
     skipped: str | None = None
 
 
-def plan(rows: Sequence[Row], device: torch.device | str, devices: int) -> list[Planned]:
-    """Each row's recipe: the recipe of the last row that runs here, plus this row's change. A row whose change
-    cannot run here is skipped, and the next row builds on the one before it."""
+def plan(rows: Sequence[Row], hw: ah.device.Hardware, devices: int) -> list[Planned]:
+    """Each row's recipe on hardware `hw`: the recipe of the last row that runs there, plus this row's change. A row
+    whose change cannot run there is skipped, and its change is not passed on: the next row builds on the last row
+    that ran."""
     recipe, out = Recipe(), []
     for row in rows:
-        why = needs(row.change, device, devices)
+        why = needs(row.change, hw, devices)
         if why:
             out.append(Planned(row, None, f"skipped: {why}"))
         else:

@@ -408,20 +408,32 @@ def test_train_mnist1d_learns_and_refuses_bad_input():
 
 # --- which device and backend a rank picks ------------------------------------------------------------------------
 
+def _gpus(monkeypatch, n, per_task=False):
+    """Make this machine look like one whose process sees `n` CUDA GPUs (it has none)."""
+    hw = ah.device.Hardware("cuda" if n else "cpu", "NVIDIA A100-SXM4-80GB" if n else None, (8, 0) if n else None,
+                            80.0 if n else None, n, per_task)
+    monkeypatch.setattr(ah.device.Hardware, "here", classmethod(lambda cls, device=None: hw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+
+
 def test_ranks_use_gpus_only_with_one_gpu_each(monkeypatch):
     """nccl refuses two ranks on one GPU ("Duplicate GPU detected"): one Colab GPU and two ranks means CPU ranks
-    with gloo and the GPU hidden from them. (The GPU counts are faked: this machine has none.)"""
+    with gloo and the GPU hidden from them. (The GPUs are faked: this machine has none.)"""
     monkeypatch.delenv("ACCEL_DEVICE", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    _gpus(monkeypatch, 1)
     assert parallel.rank_device(2) == "cpu" and parallel.rank_env(2) == {"CUDA_VISIBLE_DEVICES": ""}
     assert parallel.rank_device(1) == "cuda" and parallel.rank_env(1) == {}
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _gpus(monkeypatch, 1, per_task=True)  # a notebook in a task Slurm bound one GPU: its own ranks still share it
+    assert parallel.rank_device(2) == "cpu"
+    _gpus(monkeypatch, 2)
     assert parallel.rank_device(2) == "cuda"
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert parallel.rank_device() == "cpu"  # inside a launched rank: WORLD_SIZE ranks
+
+
+def test_accel_device_cpu_means_cpu_ranks(monkeypatch):
     monkeypatch.setenv("ACCEL_DEVICE", "cpu")
-    assert parallel.rank_device(1) == "cpu"
+    assert ah.device.Hardware.here().kind == "cpu" and parallel.rank_device(1) == "cpu"
 
 
 def test_no_gpu_means_cpu_ranks_and_nothing_hidden(monkeypatch):
@@ -442,7 +454,7 @@ def fake_group(monkeypatch):
 
 
 def test_setup_rank_without_cuda_joins_with_gloo_on_the_cpu(fake_group, monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _gpus(monkeypatch, 0)
     assert parallel.setup_rank(5.0) == (0, 2, torch.device("cpu"))
     assert fake_group == ["gloo"] and capsys.readouterr().out == "[rank0] 2 ranks, backend gloo, on the CPU\n"
     parallel.setup_rank(5.0, announce=False)
@@ -451,13 +463,14 @@ def test_setup_rank_without_cuda_joins_with_gloo_on_the_cpu(fake_group, monkeypa
 
 def test_setup_rank_takes_gpu_local_rank_with_nccl_when_each_rank_has_one(fake_group, monkeypatch, capsys):
     chosen = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _gpus(monkeypatch, 2)
     assert parallel.setup_rank(5.0) == (0, 2, torch.device("cuda", 1))  # LOCAL_RANK 1: the second GPU
     assert fake_group == ["nccl"] and chosen == [torch.device("cuda", 1)]
     assert capsys.readouterr().out == "[rank0] 2 ranks, backend nccl, one GPU per rank\n"
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # two ranks, one GPU: both on the CPU
+    _gpus(monkeypatch, 1, per_task=True)  # Slurm --gpus-per-task=1: the task sees its own GPU only, as cuda:0
+    assert parallel.setup_rank(5.0, announce=False)[2] == torch.device("cuda", 0) and fake_group[-1] == "nccl"
+    _gpus(monkeypatch, 1)  # two ranks, one GPU: both on the CPU
     assert parallel.setup_rank(5.0, announce=False)[2] == torch.device("cpu") and fake_group[-1] == "gloo"
 
 

@@ -119,19 +119,22 @@ def test_scaled_backward_equals_grad_scaler_and_reports_overflow():
 
 # ---------------------------------------------------------------- policy
 
-@pytest.mark.parametrize("kind,report,name", [
-    ("cuda", {"compute_capability": "9.0"}, "bf16"), ("cuda", {"compute_capability": "8.0"}, "bf16"),
-    ("cuda", {"compute_capability": "7.5"}, "fp16"), ("xla", {}, "bf16"), ("mps", {}, "fp16"),
-    ("cpu", {"cpu_bf16_native": True}, "bf16"), ("cpu", {"cpu_bf16_native": False}, "bf16")])
-def test_auto_choice(kind, report, name):
-    assert ah.precision.auto_choice(kind, report)[0] == name
-    assert ah.precision.policy_for(kind, report=report).scaler is (name == "fp16")
+HW = ah.device.Hardware
+
+
+@pytest.mark.parametrize("hw,name", [
+    (HW("cuda", capability=(9, 0)), "bf16"), (HW("cuda", capability=(8, 0)), "bf16"),
+    (HW("cuda", capability=(7, 5)), "fp16"), (HW("xla"), "bf16"), (HW("mps"), "fp16"),
+    (HW("cpu", cpu_bf16=True), "bf16"), (HW("cpu", cpu_bf16=False), "bf16")])
+def test_auto_choice(hw, name):
+    assert ah.precision.auto_choice(hw)[0] == name
+    assert ah.precision.policy_for(hw.kind, hw=hw).scaler is (name == "fp16")
 
 
 def test_auto_choice_says_when_cpu_bf16_is_emulated():
-    assert "slower" in ah.precision.auto_choice("cpu", {"cpu_bf16_native": False})[1]
+    assert "slower" in ah.precision.auto_choice(HW("cpu", cpu_bf16=False))[1]
     with pytest.raises(ValueError, match="no precision policy"):
-        ah.precision.auto_choice("tpu", {})
+        ah.precision.auto_choice(HW("tpu"))
 
 
 def test_policy_for_cpu_runs_bf16_autocast():
@@ -173,7 +176,7 @@ XLA_SNIPPET = """
 import torch, torch_xla
 import accelhelpers as ah
 dev = torch_xla.device()
-pol = ah.precision.policy_for(dev, report={})
+pol = ah.precision.policy_for(dev, hw=ah.device.Hardware("xla"))
 lin = torch.nn.Linear(8, 4).to(dev)
 with pol.autocast():
     y = lin(torch.randn(2, 8, device=dev))

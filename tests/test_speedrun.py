@@ -117,12 +117,12 @@ def test_rows_stack_skip_and_refuse_bad_switches():
     rows = [sr.Row("baseline"), sr.Row("SDPA", {"attention": "sdpa"}), sr.Row("flash", {"backend": "flash"}),
             sr.Row("DDP", {"world": 4}), sr.Row("graphs", {"compile": "reduce-overhead"}),
             sr.Row("mine", {"lr_scale": 2.0})]
-    planned = sr.plan(rows, "cpu", devices=2)
+    planned = sr.plan(rows, ah.device.Hardware("cpu"), devices=2)
     assert [p.skipped for p in planned] == [
         None, None, "skipped: needs CUDA (a GPU's SDPA backend)", "skipped: needs 4 devices, 2 here",
         "skipped: needs CUDA (CUDA graphs)", None]
     assert planned[-1].recipe == sr.Recipe(attention="sdpa", lr_scale=2.0)  # skipped changes are not passed on
-    on_gpu = sr.plan(rows, "cuda", devices=4)
+    on_gpu = sr.plan(rows, ah.device.Hardware("cuda", capability=(8, 0), gpus=4), devices=4)
     assert on_gpu[-1].recipe == sr.Recipe(attention="sdpa", backend="flash", world=4, compile="reduce-overhead",
                                           lr_scale=2.0)
     with pytest.raises(ValueError, match="changes colour: a row can change attention, backend, precision"):
@@ -158,7 +158,7 @@ def test_a_new_row_is_measured_and_tabled_without_other_edits(data):
             sr.Row("flash", {"backend": "flash"})]
     rows.append(sr.Row("lr x2", {"lr_scale": 2.0}))  # the learner's row
     results = []
-    for p in sr.plan(rows, "cpu", devices=1):
+    for p in sr.plan(rows, ah.device.Hardware("cpu"), devices=1):
         res = sr.RowResult(p.row.name, p.row.describe(), p.recipe, skipped=p.skipped)
         if p.recipe is not None:
             tr = sr.Trainer(p.recipe, TINY, sr.Hyper(batch=16, lr=1e-2, warmup=5), train, "cpu")

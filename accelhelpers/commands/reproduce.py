@@ -46,7 +46,7 @@ import torch
 
 from .. import checkpoint, faults, fullbatch, metrics
 from ..data import Split, mnist1d
-from ..device import cpu_requested, hardware_report, machine_line
+from ..device import Hardware, cpu_requested, hardware_report, machine_line
 from ..models import count_params, udl_mlp, udl_sizes
 from ..results import atomic_write_bytes, atomic_write_text
 from ..udlbook import EPOCHS, EXPERIMENT, LR, SCHEMA, TEST_EVERY, _paths, figure, model_for
@@ -390,7 +390,7 @@ def _check_args(out: Path, resume: bool, settings: Settings, depths: list[int], 
         raise CommandError(f"--jobs must be at least 1, got {jobs}")
     if settings.precision not in PRECISIONS:
         raise CommandError(f"--precision must be one of {', '.join(PRECISIONS)}, got {settings.precision!r}")
-    if settings.precision == "bf16" and _device().type == "cuda" and not torch.cuda.is_bf16_supported():
+    if settings.precision == "bf16" and _device().type == "cuda" and not Hardware.here("cuda").bf16_native:
         raise CommandError("this GPU has no bf16 (it needs compute capability 8.0 or newer): use --precision fp32")
 
 
