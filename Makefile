@@ -71,12 +71,7 @@ test-compat: $(COMPAT)/.installed
 # and pillow 12: it runs the chapters those reach (01's setup and device report, 05's images, 07's XLA, 08 and 10's
 # ONNX); every chapter runs under the GPU image's newer torch.
 TPU_IMAGE_CHAPTERS := 01,05,07,08,10
-test-co# The Colab badges and setup cells, written from pyproject.toml's [project.urls] Repository and the version (README:
-# Publishing); tests/test_colab.py fails when they disagree.
-links: venv
-	$(BIN)/python -m accelhelpers course links
-
-lab: venv
+test-colab: venv
 	$(BIN)/python tests/colab/check.py gpu
 	$(BIN)/python tests/colab/check.py tpu --only $(TPU_IMAGE_CHAPTERS)
 
