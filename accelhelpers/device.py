@@ -19,6 +19,7 @@ from .timing import sync  # noqa: F401  taught in chapter 01: one definition, ex
 
 DEVICE_KINDS = ("cuda", "xla", "mps", "cpu")
 PROFILES = ("quick", "full")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # cpuinfo flags of a CPU that runs bf16 matmuls in hardware
 ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
 
@@ -154,8 +155,8 @@ class Hardware:
 
     @property
     def bf16_native(self) -> bool:
-        """bf16 runs in hardware: CUDA from sm 8.0 (torch.cuda.is_bf16_supported() counts emulation: True on a T4),
-        TPUs, CPUs with AVX512-BF16/AMX."""
+        """bf16 runs in hardware: CUDA from sm 8.0 (torch.cuda.is_bf16_supported counts emulation by default: True
+        on a T4), TPUs, CPUs with AVX512-BF16/AMX."""
         return self.sm80 or self.kind == "xla" or (self.kind == "cpu" and self.cpu_bf16)
 
     @property
@@ -172,7 +173,7 @@ class Hardware:
         env = os.environ  # srun --gpus-per-task: SLURM_GPUS_PER_TASK before Slurm 23.11, SLURM_TRES_PER_TASK since
         bound = "SLURM_GPUS_PER_TASK" in env or "gres/gpu" in env.get("SLURM_TRES_PER_TASK", "")
         facts: dict[str, Any] = {"gpus_per_task": bound,
-                                 "cpu_bf16": any(f in _cpu_info()[1] for f in ("avx512_bf16", "amx_bf16"))}
+                                 "cpu_bf16": any(f in _cpu_info()[1] for f in BF16_FLAGS)}
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
             facts.update(gpu=p.name, capability=(p.major, p.minor), gpu_memory_gb=round(p.total_memory / 2**30, 1),
@@ -227,7 +228,7 @@ def hardware_report() -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "cuda_build": torch.version.cuda, "platform": f"{platform.system()} {platform.machine()}",
         "cpu": model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in ("avx512_bf16", "amx_bf16")),
+        "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in BF16_FLAGS),
         "torch_xla": xla_version(), "colab": in_colab(), "kaggle": "KAGGLE_KERNEL_RUN_TYPE" in os.environ,
         "devices": available_devices(),
     }

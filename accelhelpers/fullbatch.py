@@ -341,7 +341,7 @@ class Variant:
 
 def bf16_ok(hw: ah.device.Hardware) -> bool:
     """Whether the bf16 row runs on hardware `hw`: on every CPU (natively where it has AVX-512 BF16 or AMX), on CUDA
-    from compute capability 8.0 (`torch.cuda.is_bf16_supported()` also counts emulation: True on a T4)."""
+    from compute capability 8.0 (`torch.cuda.is_bf16_supported` also counts emulation by default: True on a T4)."""
     return hw.kind == "cpu" or (hw.kind == "cuda" and hw.bf16_native)
 
 
