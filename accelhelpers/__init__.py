@@ -2,10 +2,13 @@
 
 One way to use it: `import accelhelpers as ah`, then `ah.<module>.<name>` (`ah.session.setup`, `ah.results.record`,
 `ah.timing.benchmark`, ...). Submodules load on first use; importing the package imports nothing else, and every
-measurement happens when a function is called.
+measurement happens when a function is called. The exception: a process a notebook launched (`ah.launch`) runs the
+notebook's export cells over the package as it imports it (`cells`), so its workers run the cells as the learner left
+them.
 """
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.2.0"
@@ -29,3 +32,8 @@ def lazy_submodules(package: str) -> Any:
 
 
 __getattr__ = lazy_submodules(__name__)
+
+if os.environ.get("ACCEL_CELLS"):  # started by ah.launch from a notebook: its export cells, as the learner left them
+    from . import cells as _cells
+
+    _cells.apply(os.environ["ACCEL_CELLS"])

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import cells
+
 # every child: accelerate kept off XLA, output unbuffered, one torch thread per process (ranks share the cores)
 ENV = {"USE_TORCH_XLA": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -93,8 +95,10 @@ def torchrun_cmd(target: str | Path, *args: object, nproc: int = 2, nnodes: int 
 
 
 def start(cmd: list[str], env: dict[str, str | None] | None = None) -> subprocess.Popen:
-    """Start `cmd` in its own process group, output merged, with `env` over os.environ and ENV (None: unset)."""
-    merged = {**os.environ, **ENV, **(env or {})}
+    """Start `cmd` in its own process group, output merged, with `env` over os.environ and ENV (None: unset). From a
+    Jupyter kernel, the process also gets the export cells the kernel has run (`cells.launch_env`): a worker that
+    imports accelhelpers runs the chapter's cells as the learner left them."""
+    merged = {**os.environ, **ENV, **cells.launch_env(), **(env or {})}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={k: v for k, v in merged.items() if v is not None}, start_new_session=True)
 

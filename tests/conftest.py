@@ -41,6 +41,9 @@ SLOW = {
         "test_course_report_renders",
         "test_the_error_check_catches_an_exception",
     },
+    "test_worker_edits": {
+        "test_an_edited_cell_reaches_the_launched_workers",
+    },
     "test_checkpoint": {
         "test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable",
         "test_exact_resume_in_a_fresh_process_is_bit_identical",
@@ -196,7 +199,8 @@ SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "stra
 COST = {"test_fullbatch": 110, "test_course": 96, "06_distributed_data_parallel": 92, "11_speedrun": 77,
         "02_fullbatch_fast_loop": 76, "03_momentum_adam_one_cycle": 69, "test_parallel": 67, "test_reproduce": 67,
         "12_on_a_cluster": 64, "08_quantization_onnx_fpga": 56, "09_long_runs": 56, "test_slurm": 55,
-        "05_input_pipeline": 48, "07_tpus_and_xla": 45, "test_longrun": 39, "10_deployment_toolflows": 35,
+        "05_input_pipeline": 48, "07_tpus_and_xla": 45, "test_worker_edits": 40, "test_longrun": 39,
+        "10_deployment_toolflows": 35,
         "01_hardware_and_timing": 32, "test_browser": 31, "04_mixed_precision": 28, "test_toolflows": 16,
         "test_deploy": 16, "test_speedrun": 15, "test_checkpoint": 14, "test_peers": 11, "test_course_runner": 10,
         "test_precision": 10, "test_nonfinite": 10, "test_progress": 7, "test_oom": 7, "test_pipeline": 7,

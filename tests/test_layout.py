@@ -135,7 +135,9 @@ def test_accelhelpers_has_no_import_circle():
     assert {"accelhelpers.udlbook", "accelhelpers.commands"} <= graph["accelhelpers.commands.reproduce"]
     assert {"accelhelpers.commands.course", "accelhelpers.commands.bench"} <= graph["accelhelpers.__main__"]
     assert "accelhelpers.udlbook" in graph["accelhelpers.commands.course"]  # inside readme_tables
-    assert graph["accelhelpers"] == set()  # importing the package imports nothing else
+    # importing the package imports nothing else, but for the notebook's cells in a process it launched (cells.py)
+    assert graph["accelhelpers"] == {"accelhelpers.cells"}
+    assert graph["accelhelpers.cells"] == set()
     circles = []
     while cycle := find_cycle(graph):  # name every circle, not only the first: drop each one's closing edge
         circles.append(" -> ".join(cycle))
