@@ -31,10 +31,10 @@ course: venv
 # (OMP_NUM_THREADS=1, one core each; a cell or test that is about threads sets its own count), and OpenMP's threads
 # sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE: about 2.7x the throughput of two busy-waiting
 # processes here). Timing tests compare within one process, so they hold under the load; the chapters' own figures
-# come from `make course`.
+# come from `make course`. The 25 slowest tests' times end the output (the CI log's record of where the time went).
 test: venv lint browser slurm
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests notebooks --nbval -n 2 --dist loadfile \
-		--no-loadscope-reorder
+		--no-loadscope-reorder --durations=25
 
 # nbval again on a second numeric path of this CPU: other vector kernels (tests/numeric_path.py picks them, one level
 # below this CPU's, and first checks that they change a training run's bits here), so the compared outputs are shown
