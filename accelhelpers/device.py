@@ -170,8 +170,12 @@ class Hardware:
         have = available_devices()
         want = os.environ.get("ACCEL_DEVICE", "").lower().partition(":")[0]
         kind = torch.device(device).type if device is not None else (want if want in have else have[0])
-        env = os.environ  # srun --gpus-per-task: SLURM_GPUS_PER_TASK before Slurm 23.11, SLURM_TRES_PER_TASK since
-        bound = "SLURM_GPUS_PER_TASK" in env or "gres/gpu" in env.get("SLURM_TRES_PER_TASK", "")
+        # Slurm bound GPUs to tasks: an allocation's --gpus-per-task (SLURM_GPUS_PER_TASK before Slurm 23.11,
+        # SLURM_TRES_PER_TASK since), or a binding srun alone asked for (--gpus-per-task, --gpu-bind), which shows only
+        # as slurmd's SLURMD_TRES_BIND=gpu:... (seen on Slurm 22.05, tests/test_slurm.py)
+        env = os.environ
+        bound = ("SLURM_GPUS_PER_TASK" in env or "gres/gpu" in env.get("SLURM_TRES_PER_TASK", "")
+                 or env.get("SLURMD_TRES_BIND", "").startswith("gpu:"))
         facts: dict[str, Any] = {"gpus_per_task": bound,
                                  "cpu_bf16": any(f in _cpu_info()[1] for f in BF16_FLAGS)}
         if torch.cuda.is_available():

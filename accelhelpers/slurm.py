@@ -1,6 +1,8 @@
 """A real Slurm on this one machine (Debian's slurm-wlm: slurmctld + slurmd, with munge), for the cluster chapter and
 its tests: written configuration, started in seconds, stopped and its folder left for reading. Needs root and the
-packages (`make slurm` installs them where apt-get can); anywhere else `unavailable()` says why in one line."""
+packages (`make slurm` installs them where apt-get can); anywhere else `unavailable()` says why in one line.
+`start(gpus=4)` gives the node a GPU GRES of four fake GPUs (character devices made in the cluster's folder), so that
+--gpus-per-task, --gpus-per-node and --gpu-bind set each task's CUDA_VISIBLE_DEVICES as on a GPU cluster."""
 
 from __future__ import annotations
 
@@ -8,17 +10,26 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from unittest import mock
 
+from .device import Hardware
 from .launch import free_port
 from .results import build_dir
 
 BINARIES = ("sbatch", "srun", "scontrol", "sinfo", "slurmctld", "slurmd", "munged")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
+GPU_MAJOR = 195  # the NVIDIA driver's /dev/nvidia0, /dev/nvidia1, ... (Linux's devices.txt: 195 char, Nvidia graphics)
+CAP_MKNOD = 27   # the capability mknod(2) of a device file needs (linux/capability.h)
+# What a fake GPU stands for: an A100 80GB (compute capability 8.0, https://developer.nvidia.com/cuda-gpus; 80 GB,
+# NVIDIA's A100 datasheet), the GPU of tests/test_hardware.py's 8-GPU node.
+FAKE_GPU = {"gpu": "NVIDIA A100-SXM4-80GB", "capability": (8, 0), "gpu_memory_gb": 80.0}
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
         "DEADLINE")
 
@@ -31,8 +42,9 @@ class SlurmError(RuntimeError):
     """A Slurm command failed or a job did not reach the expected state in time."""
 
 
-def unavailable() -> str | None:
-    """Why a local Slurm cannot run here, in one line; None when it can (ACCEL_SLURM=off: as if it could not)."""
+def unavailable(gpus: int = 0) -> str | None:
+    """Why a local Slurm (with `gpus` fake GPUs) cannot run here, in one line; None when it can (ACCEL_SLURM=off: as
+    if it could not)."""
     if os.environ.get("ACCEL_SLURM") == "off":
         return "ACCEL_SLURM=off asks to run without Slurm"
     if not sys.platform.startswith("linux"):
@@ -43,7 +55,42 @@ def unavailable() -> str | None:
                 "`apt-get install slurm-wlm munge` (or `make slurm`)")
     if os.geteuid() != 0:
         return "a local slurmctld/slurmd needs root (they start jobs as any user); run as root, or on a real cluster"
+    if gpus and not _capable(CAP_MKNOD):
+        return ("the fake GPUs are device files, and making one needs CAP_MKNOD, which this root lacks (a container "
+                "without it?); start(gpus=0) runs without GPUs")
     return None
+
+
+def _capable(cap: int) -> bool:
+    """This process holds Linux capability `cap` (CapEff in /proc/self/status)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    eff = re.search(r"^CapEff:\s*([0-9a-f]+)$", status, re.M)
+    return bool(eff and int(eff.group(1), 16) >> cap & 1)
+
+
+def fake_gpus(folder: Path, n: int) -> list[Path]:
+    """`n` character devices like the NVIDIA driver's (major 195, minors 0..n-1) in `folder`/dev, never in /dev:
+    Slurm's GPU GRES only names files (gres.conf File=), so these are what it binds to tasks. No GPU is behind them:
+    opening one fails."""
+    dev = folder / "dev"
+    dev.mkdir(parents=True, exist_ok=True)
+    paths = [dev / f"nvidia{i}" for i in range(n)]
+    for i, path in enumerate(paths):
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(GPU_MAJOR, i))
+        except PermissionError:
+            raise SlurmUnavailable(f"mknod {path} was refused (it needs root with CAP_MKNOD); start(gpus=0) runs "
+                                   "without GPUs") from None
+    return paths
+
+
+def gres_config(folder: Path, gpus: int) -> str:
+    """gres.conf naming `gpus` fake GPUs in `folder`/dev, autodetection off (NVML would find no GPU, or real ones)."""
+    files = f"nvidia[0-{gpus - 1}]" if gpus > 1 else "nvidia0"
+    return f"AutoDetect=off\nName=gpu File={folder}/dev/{files}\n"
 
 
 def _munge() -> None:
@@ -57,9 +104,26 @@ def _munge() -> None:
         raise SlurmUnavailable(f"munged did not start: {r.stderr.strip() or r.stdout.strip()}")
 
 
-def config(folder: Path, node: str, cpus: int, ctld_port: int, d_port: int) -> str:
+def task_hardware(env: Mapping[str, str]) -> Hardware:
+    """The hardware of a task that Slurm started with environment `env`, each fake GPU an A100 (FAKE_GPU): as many
+    GPUs as its CUDA_VISIBLE_DEVICES names, and the per-task binding as Hardware.here reads it from the task's SLURM*
+    variables (this process's own set aside). This process's CUDA_VISIBLE_DEVICES is left alone: CUDA reads it once
+    per process."""
+    slurm = {k: v for k, v in env.items() if k.startswith("SLURM")}
+    mine = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    with mock.patch.dict(os.environ, {**mine, **slurm}, clear=True):
+        hw = Hardware.here("cpu")
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return replace(hw, kind="cuda", gpus=len(visible), **FAKE_GPU)
+
+
+def config(folder: Path, node: str, cpus: int, ctld_port: int, d_port: int, gpus: int = 0) -> str:
     """slurm.conf for one node with `cpus` CPUs: no cgroups (proctrack/linuxproc, task/none), state under `folder`,
-    job completions logged to a text file (sacct would need slurmdbd and a database)."""
+    job completions logged to a text file (sacct would need slurmdbd and a database). With `gpus`, a GPU GRES of that
+    many (gres.conf beside it names the devices), and slurmd takes the node's CPUs from here, not from the hardware
+    (config_overrides): one task per GPU may need more CPUs than this machine has."""
+    gres = "GresTypes=gpu\nSlurmdParameters=config_overrides\n" if gpus else ""
+    node_gres = f" Gres=gpu:{gpus}" if gpus else ""
     return f"""# A one-node Slurm for the course (accelhelpers.slurm); every path under {folder}
 ClusterName=accel
 SlurmctldHost={node}
@@ -83,7 +147,7 @@ KillWait=10
 JobCompType=jobcomp/filetxt
 JobCompLoc={folder}/jobcomp.txt
 AccountingStorageType=accounting_storage/none
-NodeName={node} CPUs={cpus} State=UNKNOWN
+{gres}NodeName={node} CPUs={cpus}{node_gres} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -100,6 +164,7 @@ class Cluster:
     folder: Path
     node: str
     cpus: int
+    gpus: int = 0
 
     @property
     def conf(self) -> Path:
@@ -160,19 +225,27 @@ class Cluster:
         return [fields(line) for line in log.read_text().splitlines()] if log.exists() else []
 
     def stop(self) -> None:
-        """Shut both daemons down (the folder stays, with its logs)."""
-        self.run("scontrol", "shutdown", check=False)
+        """Shut both daemons down; the fake GPUs' device files go, the folder stays with its configuration and logs.
+        Stopping a stopped cluster does nothing more."""
+        pids = [(self.folder / f).read_text().strip() for f in ("slurmctld.pid", "slurmd.pid")
+                if (self.folder / f).exists()]
+        running = [pid for pid in pids if pid and Path(f"/proc/{pid}").exists()]
+        if running:
+            self.run("scontrol", "shutdown", check=False)
         deadline = time.monotonic() + 20
-        for pid_file in ("slurmctld.pid", "slurmd.pid"):
-            pid = (self.folder / pid_file).read_text().strip() if (self.folder / pid_file).exists() else ""
-            while pid and Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        for pid in running:
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+        shutil.rmtree(self.folder / "dev", ignore_errors=True)
 
 
-def start(folder: str | Path | None = None, cpus: int | None = None, timeout: float = 30) -> Cluster:
+def start(folder: str | Path | None = None, cpus: int | None = None, timeout: float = 30, gpus: int = 0) -> Cluster:
     """Configure and start a one-node Slurm in `folder` (default build/slurm) on free ports; wait until the node
-    is idle. Raises SlurmUnavailable (one line: why, and what to do) where it cannot run."""
-    reason = unavailable()
+    is idle. `gpus`: that many fake GPUs as a GRES (the node then has at least one CPU per GPU). Raises
+    SlurmUnavailable (one line: why, and what to do) where it cannot run."""
+    if gpus < 0:
+        raise ValueError(f"gpus={gpus}: a node has 0 or more GPUs")
+    reason = unavailable(gpus)
     if reason:
         raise SlurmUnavailable(reason)
     folder = Path(folder) if folder else build_dir() / "slurm"
@@ -180,12 +253,16 @@ def start(folder: str | Path | None = None, cpus: int | None = None, timeout: fl
     for sub in ("state", "spool"):
         (folder / sub).mkdir(parents=True)
     node = socket.gethostname().split(".")[0]
-    cluster = Cluster(folder.resolve(), node, cpus or os.cpu_count() or 1)
-    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, free_port(), free_port()))
+    cluster = Cluster(folder.resolve(), node, max(cpus or os.cpu_count() or 1, gpus), gpus)
+    if gpus:
+        fake_gpus(cluster.folder, gpus)
+        (cluster.folder / "gres.conf").write_text(gres_config(cluster.folder, gpus))
+    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, free_port(), free_port(), gpus))
     _munge()
     for daemon in ("slurmctld", "slurmd"):
         r = subprocess.run([daemon, "-f", str(cluster.conf)], capture_output=True, text=True, env=cluster.env())
         if r.returncode != 0:
+            shutil.rmtree(cluster.folder / "dev", ignore_errors=True)  # the fake GPUs go with a failed start too
             raise SlurmError(f"{daemon} did not start: {(r.stderr or r.stdout).strip()}; read {folder}/{daemon}.log")
     deadline = time.monotonic() + timeout
     while cluster.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() != "idle":

@@ -188,7 +188,8 @@ SLOW = {
         "test_launch_demo_one_device_runs",
     },
 }
-SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "straight_bf16"}, "test_slurm": {"cluster"}}
+SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "straight_bf16"},
+                 "test_slurm": {"cluster", "gpu_cluster"}}
 
 
 # `make test` runs on two xdist workers, one file at a time each, in collection order (`--no-loadscope-reorder`:
@@ -198,7 +199,7 @@ SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "stra
 # order.
 COST = {"test_fullbatch": 110, "test_course": 96, "06_distributed_data_parallel": 92, "11_speedrun": 77,
         "02_fullbatch_fast_loop": 76, "03_momentum_adam_one_cycle": 69, "test_parallel": 67, "test_reproduce": 67,
-        "12_on_a_cluster": 64, "08_quantization_onnx_fpga": 56, "09_long_runs": 56, "test_slurm": 55,
+        "12_on_a_cluster": 64, "08_quantization_onnx_fpga": 56, "09_long_runs": 56, "test_slurm": 64,
         "05_input_pipeline": 48, "07_tpus_and_xla": 45, "test_worker_edits": 40, "test_longrun": 39,
         "10_deployment_toolflows": 35,
         "01_hardware_and_timing": 32, "test_browser": 31, "04_mixed_precision": 28, "test_toolflows": 16,

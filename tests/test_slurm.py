@@ -1,10 +1,15 @@
 """Chapter 12's jobs on a live Slurm (accelhelpers.slurm starts a one-node cluster on this machine): submission and
 output, the same training on 1 and 2 tasks, preemption + requeue resuming bit-identically, a killed rank failing the
-job. The scripts are the chapter's own `%%writefile` cells. Where Slurm cannot run the tests skip with the reason,
-except with ACCEL_REQUIRE_SLURM=1 (CI), where that is a failure."""
+job; and with fake GPUs (a GPU GRES of character devices), the GPU template's tasks each given the
+CUDA_VISIBLE_DEVICES a GPU cluster gives them, and every rank's device and backend decided from that. The scripts are
+the chapter's own `%%writefile` cells. Where Slurm cannot run the tests skip with the reason, except with
+ACCEL_REQUIRE_SLURM=1 (CI), where that is a failure."""
 
+import json
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -45,13 +50,46 @@ def test_config_is_one_node_without_cgroups(tmp_path):
                                                                        "ExitCode": "1:0"}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = ah.slurm.unavailable()
+def test_config_with_gpus_adds_a_gres_and_leaves_the_cpu_config_alone(tmp_path):
+    conf = ah.slurm.config(tmp_path, "node1", 4, 7001, 7002, gpus=4)
+    assert "GresTypes=gpu" in conf and "SlurmdParameters=config_overrides" in conf
+    assert "NodeName=node1 CPUs=4 Gres=gpu:4 State=UNKNOWN" in conf
+    assert ah.slurm.gres_config(tmp_path, 4) == f"AutoDetect=off\nName=gpu File={tmp_path}/dev/nvidia[0-3]\n"
+    plain = ah.slurm.config(tmp_path, "node1", 4, 7001, 7002)
+    assert "Gres" not in plain and "SlurmdParameters" not in plain and "NodeName=node1 CPUs=4 State=UNKNOWN" in plain
+    with pytest.raises(ValueError, match="0 or more GPUs"):
+        ah.slurm.start(tmp_path, gpus=-1)
+
+
+def test_without_mknod_the_gpus_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(ah.slurm, "_capable", lambda cap: False)
+    assert ah.slurm.unavailable() is None  # without GPUs nothing is missing
+    reason = ah.slurm.unavailable(gpus=4)
+    assert reason and "\n" not in reason and "CAP_MKNOD" in reason and "start(gpus=0)" in reason
+
+
+def test_a_tasks_hardware_is_its_visible_gpus_and_its_own_binding(monkeypatch):
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")  # this process's own Slurm variables are set aside
+    hw = ah.slurm.task_hardware({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_PER_NODE": "4"})
+    assert (hw.kind, hw.gpus, hw.gpus_per_task, hw.capability) == ("cuda", 4, False, (8, 0))
+    hw = ah.slurm.task_hardware({"CUDA_VISIBLE_DEVICES": "2", "SLURM_GPUS_PER_TASK": "1"})
+    assert (hw.gpus, hw.gpus_per_task) == (1, True)
+    assert os.environ["SLURM_GPUS_PER_TASK"] == "1"  # and given back
+
+
+def live(reason: str | None) -> None:
+    """Skip a test that needs a running Slurm where it cannot run (fail instead under ACCEL_REQUIRE_SLURM=1)."""
     if reason:
         if os.environ.get("ACCEL_REQUIRE_SLURM") == "1":
             pytest.fail(f"ACCEL_REQUIRE_SLURM=1 but no Slurm can run here: {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    live(ah.slurm.unavailable())
     c = ah.slurm.start(tmp_path_factory.mktemp("slurm"))
     yield c
     c.stop()
@@ -121,3 +159,95 @@ def test_a_killed_rank_fails_the_job_with_its_reason(cluster, jobs):
     assert info["JobState"] == "FAILED" and info["Reason"] == "NonZeroExitCode", log
     assert "killing myself at step 5" in log and "task 1: Killed" in log
     assert not (out / "final.pt").exists() and time.monotonic() - t0 < 60  # failed, not hung to a timeout
+
+
+# --- with GPUs: a GPU GRES of fake devices, bound to the tasks by Slurm's own code ----------------------------------
+GPUS = 4
+SHAPE = ("--nodes=1", f"--ntasks-per-node={GPUS}", "--cpus-per-task=1")  # the template's N x G, for one node
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster(tmp_path_factory):
+    live(ah.slurm.unavailable(gpus=GPUS))
+    c = ah.slurm.start(tmp_path_factory.mktemp("slurm-gpu"), gpus=GPUS)
+    yield c
+    c.stop()
+
+
+def task_envs(folder: Path) -> list[dict[str, str]]:
+    """What each task of a step wrote with the chapter's task_env.py, in rank order."""
+    envs = [json.loads(p.read_text()) for p in folder.glob("task*.json")]
+    return sorted(envs, key=lambda env: int(env["SLURM_PROCID"]))
+
+
+def decision(env: dict[str, str]) -> tuple[torch.device, str, str]:
+    """chapter 06's rank_placement for the task Slurm started with `env` (local world read as train.py reads it),
+    and the node's GPU its device is."""
+    local_world = int(env["SLURM_TASKS_PER_NODE"].split("(")[0].split(",")[0])
+    device, backend = ah.parallel.rank_placement(ah.slurm.task_hardware(env), int(env["SLURM_LOCALID"]), local_world)
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    return device, backend, visible[device.index] if device.type == "cuda" else "-"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("binding", ["per node", "per task"])
+def test_the_gpu_template_gives_every_rank_its_own_gpu(gpu_cluster, jobs, binding):
+    """Chapter 12's N x G template on this one node: as written (--gpus-per-node, every task sees every GPU: rank k
+    takes cuda:k) and with the line a cluster's docs often give instead (--gpus-per-task=1: task k sees only GPU k,
+    so its GPU is cuda:0 and cuda:LOCAL_RANK names a device it cannot see)."""
+    template = (jobs / "ddp_gpus.sbatch").read_text()
+    assert re.search(r"^#SBATCH --gpus-per-node=\d+", template, re.M) and 'python "$@"' in template
+    script, options = jobs / "ddp_gpus.sbatch", (f"--gpus-per-node={GPUS}",)
+    if binding == "per task":
+        script, options = jobs / "ddp_gpus_per_task.sbatch", ()
+        script.write_text(re.sub(r"^#SBATCH --gpus-per-node=.*$", "#SBATCH --gpus-per-task=1", template, flags=re.M))
+    out = jobs / f"envs-{binding.replace(' ', '-')}"
+    job = gpu_cluster.sbatch(script, "--chdir", str(jobs), "--output", f"{out.name}-%j.out", *SHAPE, *options,
+                             args=("task_env.py", out.name))
+    info = gpu_cluster.wait(job, timeout=60)
+    assert info["JobState"] == "COMPLETED", (jobs / f"{out.name}-{job}.out").read_text()
+    envs = task_envs(out)
+    assert [env["SLURM_LOCALID"] for env in envs] == ["0", "1", "2", "3"]
+    visible = [env["CUDA_VISIBLE_DEVICES"] for env in envs]
+    decided = [decision(env) for env in envs]
+    if binding == "per task":
+        assert visible == ["0", "1", "2", "3"] and all(env["SLURM_GPUS_PER_TASK"] == "1" for env in envs)
+        assert [(str(d), b) for d, b, _ in decided] == [("cuda:0", "nccl")] * GPUS
+        # the negative control: cuda:LOCAL_RANK is a device ranks 1-3 cannot see
+        assert [int(env["SLURM_LOCALID"]) < len(env["CUDA_VISIBLE_DEVICES"].split(",")) for env in envs] == [
+            True, False, False, False]
+    else:
+        assert visible == ["0,1,2,3"] * GPUS and not any("SLURM_GPUS_PER_TASK" in env for env in envs)
+        assert [(str(d), b) for d, b, _ in decided] == [(f"cuda:{k}", "nccl") for k in range(GPUS)]
+    assert sorted(gpu for _, _, gpu in decided) == ["0", "1", "2", "3"]  # every rank on a GPU of its own
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [("--gpus-per-task=1",), (f"--gpus-per-node={GPUS}", "--gpu-bind=single:1")],
+                         ids=["srun --gpus-per-task=1", "srun --gpu-bind=single:1"])
+def test_a_binding_srun_alone_asks_for(gpu_cluster, jobs, options):
+    """Slurm binds each task its own GPU here too, but sets SLURM_GPUS_PER_TASK in a task only when the allocation
+    (sbatch, salloc) asked --gpus-per-task; a binding srun alone asks for shows only as SLURMD_TRES_BIND=gpu:...,
+    which Hardware.here reads: each rank on cuda:0 with nccl (before it did, each saw one GPU for four local ranks
+    and went to the CPU)."""
+    out = jobs / f"envs-srun-{len(options)}"
+    gpu_cluster.run("srun", "--chdir", str(jobs), "-n", str(GPUS), *options, "python", "task_env.py", out.name)
+    envs = task_envs(out)
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["0", "1", "2", "3"]  # Slurm did bind each its own
+    assert all("SLURM_GPUS_PER_TASK" not in env and env["SLURMD_TRES_BIND"].startswith("gpu:") for env in envs)
+    decided = [(str(d), b, gpu) for d, b, gpu in map(decision, envs)]
+    assert decided == [("cuda:0", "nccl", str(k)) for k in range(GPUS)]
+
+
+@pytest.mark.slow
+def test_the_fake_gpus_live_in_the_clusters_folder_and_go_when_it_stops(gpu_cluster):
+    """Last of the GPU tests: it stops the cluster."""
+    devices = sorted((gpu_cluster.folder / "dev").iterdir())
+    assert [p.name for p in devices] == [f"nvidia{k}" for k in range(GPUS)]
+    modes = [p.lstat() for p in devices]
+    assert all(stat.S_ISCHR(m.st_mode) for m in modes)
+    assert [(os.major(m.st_rdev), os.minor(m.st_rdev)) for m in modes] == [(195, k) for k in range(GPUS)]
+    assert f"File={gpu_cluster.folder}/dev/nvidia[0-3]" in (gpu_cluster.folder / "gres.conf").read_text()
+    assert gpu_cluster.run("sinfo", "-h", "-o", "%G").stdout.strip() == f"gpu:{GPUS}"
+    gpu_cluster.stop()
+    assert not (gpu_cluster.folder / "dev").exists() and (gpu_cluster.folder / "slurm.conf").exists()
