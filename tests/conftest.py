@@ -276,3 +276,44 @@ def chapter_01_run(tmp_path_factory):
             done.write_text(json.dumps({"returncode": r.returncode, "output": r.stdout + r.stderr}))
     record = json.loads(done.read_text())
     return out, record["returncode"], record["output"]
+
+
+# --- a clock the test controls ------------------------------------------------------------------------------------
+class FakeClock:
+    """A clock the test controls: time moves only when a timed function says so (use exact binary fractions of a
+    second, so sums compare exactly); every clock read, call and sync goes into `events`, in order."""
+
+    def __init__(self, monkeypatch):
+        self.now, self.events, self._mp = 0.0, [], monkeypatch
+
+    def install(self, *modules) -> None:
+        """Make `modules`' `time.perf_counter` this clock (each module's `import time`)."""
+        for module in modules:
+            self._mp.setattr(module, "time", self)
+
+    def perf_counter(self) -> float:
+        self.events.append("clock")
+        return self.now
+
+    def work(self, seconds: float, name: str = "call"):
+        """A timed function that takes `seconds` of this clock."""
+        def fn():
+            self.events.append(name)
+            self.now += seconds
+        return fn
+
+    def sync(self, device) -> None:
+        self.events.append("sync")
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    """Chapter 01's timing functions on a FakeClock (their `time.perf_counter` and `ah.timing.sync`); `clock.install`
+    puts another module on it too."""
+    from accelhelpers import timing
+
+    fake = FakeClock(monkeypatch)
+    fake.install(timing)
+    monkeypatch.setattr(timing, "sync", fake.sync)
+    return fake
+

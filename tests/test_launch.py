@@ -81,6 +81,30 @@ def test_a_deadline_kills_the_whole_group_even_a_silent_child():
     assert run.returncode is None and run.output == "a\n"
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for a reaper that a container may lack)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_deadline_kills_the_grandchildren_too():
+    """torchrun's ranks are its children, and a rank's DataLoader workers theirs: a deadline kills all of them."""
+    grandchild = "import time; time.sleep(60)"
+    child = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {grandchild!r}]); "
+             "print('grandchild', p.pid, flush=True); time.sleep(60)")
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    with pytest.raises(TimeoutError, match="ran past 3") as e:
+        launch.launch([sys.executable, "-c", parent], 3, echo=False)
+    pid = int(str(e.value).split("grandchild ")[1].split()[0])
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), f"grandchild {pid} outlived the launch"
+
+
 def test_stop_on_a_marker_kills_the_child_and_its_children():
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
             "print('a', flush=True); print('STOP here', flush=True); time.sleep(30); print('never')")
@@ -99,6 +123,9 @@ def test_kill_ends_the_group_and_takes_a_process_already_gone():
     launch.kill(proc)  # reaped and its group gone: no ProcessLookupError
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_unprivileged():
+    port = launch.free_port()
+    assert 1024 <= port <= 65535
     with socket.socket() as s:
-        s.bind(("127.0.0.1", launch.free_port()))
+        s.bind(("127.0.0.1", port))  # raises if another socket holds it
+        assert s.getsockname()[1] == port

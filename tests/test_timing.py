@@ -12,12 +12,41 @@ import torch
 import accelhelpers as ah
 from accelhelpers import timing
 
+TICK = 2.0**-9  # about 2 ms, exact in binary: sums of ticks compare exactly
 
-def test_benchmark_measures_a_known_sleep():
+
+def unsynced_reads(events: list[str]) -> int:
+    """Clock reads that come straight after a call, with no sync between: a GPU's queued work left out."""
+    return sum(a != "clock" and a != "sync" and b == "clock" for a, b in zip(events, events[1:]))
+
+
+def test_benchmark_divides_by_its_calls_and_syncs_before_every_clock_read(clock):
+    """Mutations this catches: a benchmark that forgets `/ calls` reads 5 ticks; one that skips the sync before a
+    clock read fails the unsynced count; a calibration that stops early or late changes calls_per_repeat."""
+    t = timing.benchmark(clock.work(TICK), repeats=3, min_time=5 * TICK, warmup=1)
+    assert t.times == [TICK] * 3 and t.calls_per_repeat == 5  # 1 call is short of 5 ticks; 5 calls last exactly 5
+    assert clock.events.count("call") == 1 + (1 + 5) + 3 * 5  # warm-up, two calibration repeats, three repeats
+    assert unsynced_reads(clock.events) == 0
+
+
+def test_benchmark_sleeps_at_least_what_it_sleeps():
+    """On the real clock, only what a sleep guarantees: at least its duration (Python's time.sleep); a busy machine
+    oversleeps by any amount, so there is no upper bound."""
     t = ah.timing.benchmark(lambda: time.sleep(0.002), repeats=3, min_time=0.01, warmup=1)
-    assert 0.0018 < t.median < 0.05  # a busy machine oversleeps; the bound still tells seconds from milliseconds
-    assert t.best <= t.median <= t.worst and len(t.times) == 3 and t.calls_per_repeat >= 1
+    assert t.best >= 0.002 and t.best <= t.median <= t.worst and len(t.times) == 3
     assert "median" in str(t)
+
+
+def test_interleaved_alternates_the_functions_round_by_round(clock):
+    """Mutations this catches: all of one function's rounds before the other's (the order of calls), times not
+    divided by each function's own calls, a missing sync."""
+    got = timing.interleaved({"a": clock.work(TICK, "a"), "b": clock.work(3 * TICK, "b")}, rounds=3,
+                             min_time=6 * TICK)
+    assert (got["a"].calls_per_repeat, got["b"].calls_per_repeat) == (6, 2)
+    assert got["a"].times == [TICK] * 3 and got["b"].times == [3 * TICK] * 3
+    timed = [e for e in clock.events if e in "ab"][-3 * (6 + 2):]  # the rounds, after each function's calibration
+    assert "".join(timed) == ("a" * 6 + "b" * 2) * 3
+    assert unsynced_reads(clock.events) == 0
 
 
 def test_a_timing_reports_the_median_and_the_range():
@@ -44,13 +73,11 @@ def test_timing_and_device_import_in_either_order_without_a_circle(first, then):
     assert r.returncode == 0, r.stderr
 
 
-def test_interleaved_alternates_the_functions_round_by_round():
-    order = []
-    t = ah.timing.interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3, min_time=0)
-    assert [len(v.times) for v in t.values()] == [3, 3] and t["a"].calls_per_repeat == 1
-    assert order[-6:] == ["a", "b"] * 3  # min_time=0: one call per round each, taking turns
+def test_interleaved_refuses_nothing_to_time():
     with pytest.raises(ValueError, match="at least one function"):
         ah.timing.interleaved({})
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        ah.timing.interleaved({"a": lambda: None}, rounds=0)
 
 
 def test_benchmark_warms_up_and_calibrates():
@@ -118,9 +145,10 @@ def test_measured_peaks_name_the_thread_count_they_hold_for(monkeypatch):
     assert sizes == [512, 1024, 2048]
 
 
-def test_unsynced_time_measures_the_calls():
-    took = timing.time_unsynced(lambda: time.sleep(0.01), calls=3)
-    assert 0.009 < took < 1.0  # seconds per call: each call sleeps 10 ms
+def test_unsynced_time_divides_by_its_calls_and_never_syncs(clock):
+    """Mutations this catches: forgetting `/ calls` (3 ticks), or a sync that the wrong way of timing does not do."""
+    assert timing.time_unsynced(clock.work(TICK), calls=3) == TICK
+    assert "sync" not in clock.events and clock.events.count("call") == 3
 
 
 def test_round_ratios_are_per_interleaved_round():
