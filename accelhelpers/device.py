@@ -9,6 +9,7 @@ import importlib.util
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,15 +166,16 @@ class Hardware:
         return self.sm80
 
     @classmethod
-    def here(cls, device: torch.device | str | None = None) -> Hardware:
-        """This process's hardware, computing on `device` (default: the kind best_device would pick)."""
+    def here(cls, device: torch.device | str | None = None, env: Mapping[str, str] | None = None) -> Hardware:
+        """This process's hardware, computing on `device` (default: the kind best_device would pick); Slurm's binding
+        read from `env` (default: os.environ; another task's environment, for a table of what Slurm gave each)."""
         have = available_devices()
         want = os.environ.get("ACCEL_DEVICE", "").lower().partition(":")[0]
         kind = torch.device(device).type if device is not None else (want if want in have else have[0])
         # Slurm bound GPUs to tasks: an allocation's --gpus-per-task (SLURM_GPUS_PER_TASK before Slurm 23.11,
         # SLURM_TRES_PER_TASK since), or a binding srun alone asked for (--gpus-per-task, --gpu-bind), which shows only
         # as slurmd's SLURMD_TRES_BIND=gpu:... (seen on Slurm 22.05, tests/test_slurm.py)
-        env = os.environ
+        env = os.environ if env is None else env
         bound = ("SLURM_GPUS_PER_TASK" in env or "gres/gpu" in env.get("SLURM_TRES_PER_TASK", "")
                  or env.get("SLURMD_TRES_BIND", "").startswith("gpu:"))
         facts: dict[str, Any] = {"gpus_per_task": bound,

@@ -17,7 +17,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from unittest import mock
 
 from .device import Hardware
 from .launch import free_port
@@ -109,10 +108,7 @@ def task_hardware(env: Mapping[str, str]) -> Hardware:
     GPUs as its CUDA_VISIBLE_DEVICES names, and the per-task binding as Hardware.here reads it from the task's SLURM*
     variables (this process's own set aside). This process's CUDA_VISIBLE_DEVICES is left alone: CUDA reads it once
     per process."""
-    slurm = {k: v for k, v in env.items() if k.startswith("SLURM")}
-    mine = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
-    with mock.patch.dict(os.environ, {**mine, **slurm}, clear=True):
-        hw = Hardware.here("cpu")
+    hw = Hardware.here("cpu", env={k: v for k, v in env.items() if k.startswith("SLURM")})
     visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return replace(hw, kind="cuda", gpus=len(visible), **FAKE_GPU)
 
