@@ -5,6 +5,37 @@ One way to use it: `import accelhelpers as ah`, then `ah.<module>.<name>` (`ah.s
 measurement happens when a function is called. The exception: a process a notebook launched (`ah.launch`) runs the
 notebook's export cells over the package as it imports it (`cells`), so its workers run the cells as the learner left
 them.
+
+The modules in import order: each imports only modules on the lines above it, and `tests/test_layout.py` checks every
+line against the real imports (`commands/` and `__main__`, the CLI, come after all of them, and nothing imports them).
+A lesson module is exported from its chapter's cells (`#| default_exp`); the floor is hand-written and holds what no
+chapter teaches. A `*` marks where the floor, or an earlier chapter, uses a piece a later chapter teaches, and says
+which and why: the list is short, and the test fails on any use not named here.
+
+    module     chapter  imports
+    cells      floor
+    device     floor
+    internals  floor
+    launch     floor    cells
+    longrun    09       internals, launch
+    results    floor    longrun*  (atomic_write: every result is written the crash-safe way chapter 09 teaches)
+    data       floor    device, results
+    metrics    floor
+    models     floor
+    session    floor    device, results
+    slurm      floor    device, launch, results
+    timing     01       results
+    precision  04       device, internals, timing
+    train      floor    data, metrics, session, timing*, precision*  (sync from 01; the step is 04's minibatch_step)
+    fullbatch  02       device, internals, data, metrics, models, session, timing
+    udlbook    floor    device, results, models, fullbatch*  (udlbook's models padded as chapter 02 teaches)
+    optim      03       data, metrics, train
+    pipeline   05       internals, longrun*, data, metrics, timing  (the batch-size finder's oom_kind, free_memory)
+    parallel   06       device, longrun*, data, metrics, models, session, train  (init_distributed, read_checkpoint)
+    xla        07       device, internals, launch
+    deploy     08       results, session, train
+    toolflows  10       launch, longrun, deploy
+    speedrun   11       device, internals, metrics, timing, precision, pipeline
 """
 
 import importlib

@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     csub = course.add_subparsers(dest="action", required=True)
     run = csub.add_parser("run", help="execute the chapters with papermill into build/")
     run.add_argument("--profile", default="quick", choices=PROFILES,
-                     help="quick (CPU, minutes) or full (original sizes); default quick")
+                     help="quick (CPU, minutes), full (original sizes) or smoke (the full profile's code paths, a few "
+                          "steps of each: does it run?); default quick")
     run.add_argument("--only", default=None, help="comma-separated chapter numbers, e.g. 01,03")
     run.add_argument("--out", type=Path, default=None, help="output folder (default: build/)")
     run.add_argument("--no-report", action="store_true", help="do not write the report afterwards")

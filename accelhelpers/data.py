@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .device import as_device
-from .results import atomic_write_bytes
+from . import device as devices
+from . import results
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Split:
 
     def to(self, device: torch.device | str) -> Split:
         """The same split with every tensor on `device`."""
-        device = as_device(device)
+        device = devices.as_device(device)
         return Split(*(t.to(device) for t in (self.x_train, self.y_train, self.x_test, self.y_test)))
 
     @property
@@ -74,7 +74,7 @@ def mnist1d(device: torch.device | str = "cpu", seed: int = 42) -> Split:
         arrays = {k: d[k] for k in ("x", "y", "x_test", "y_test")}
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        atomic_write_bytes(path, buf.getvalue())  # atomic (it makes the folder): never a half-written cache
+        results.atomic_write_bytes(path, buf.getvalue())  # atomic (it makes the folder): never a half-written cache
     return Split(torch.tensor(arrays["x"], dtype=torch.float32), torch.tensor(arrays["y"], dtype=torch.long),
                  torch.tensor(arrays["x_test"], dtype=torch.float32),
                  torch.tensor(arrays["y_test"], dtype=torch.long)).to(device)

@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-from .timing import sync  # noqa: F401  taught in chapter 01: one definition, exported from its cell
-
 DEVICE_KINDS = ("cuda", "xla", "mps", "cpu")
-PROFILES = ("quick", "full")
+PROFILES = ("quick", "full", "smoke")  # smoke: the full profile's code paths, a few steps of each (Setup.pick)
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # cpuinfo flags of a CPU that runs bf16 matmuls in hardware
 ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")

@@ -24,7 +24,7 @@ ENV = {"USE_TORCH_XLA": "0", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 @dataclass
-class Run:
+class Completed:
     """What a launch returned: exit status (None when stopped at a marker or the deadline), output, wall time."""
 
     returncode: int | None
@@ -35,7 +35,7 @@ class Run:
 # gloo's connection log, one line per rank: "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected
 # peer ranks is : 1". With unbuffered output (ENV) each rank writes it in pieces, so two ranks' pieces can interleave
 # and split across lines ("[Gloo] Rank [Gloo] Rank 0 is connected ...", then "1 is connected ..."). It is kept in
-# Run.output; what `echo` shows is the output without it (GlooFilter).
+# Completed.output; what `echo` shows is the output without it (GlooFilter).
 GLOO_CONNECTED = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
                             r"Expected number of connected peer ranks is : \d+")
 GLOO_PIECE = re.compile(r"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :")
@@ -140,7 +140,7 @@ def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | No
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, check: bool = True,
-           stop_on: str | None = None, stop_ok: bool = False) -> Run:
+           stop_on: str | None = None, stop_ok: bool = False) -> Completed:
     """Stream a child's output to its exit; kill its group at a `stop_on` line (returncode None) or past
     `timeout_s` (TimeoutError, or returncode None with `stop_ok`); a nonzero exit with `check`: RuntimeError."""
     if timeout_s <= 0:
@@ -154,7 +154,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
             why = "deadline"
     if why != "eof":
         kill(proc)
-    run = Run(proc.returncode if why == "eof" else None, "".join(out), time.monotonic() - t0)
+    run = Completed(proc.returncode if why == "eof" else None, "".join(out), time.monotonic() - t0)
     if why == "deadline" and not stop_ok:
         name = " ".join(map(str, proc.args[1:6])) if isinstance(proc.args, list) else str(proc.args)
         raise TimeoutError(f"{name}... ran past {timeout_s} s and was killed (a rank is stuck or the machine is "
@@ -165,7 +165,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
 
 
 def launch(cmd: list[str], timeout_s: float = 120.0, echo: bool = True, check: bool = True,
-           env: dict[str, str | None] | None = None, stop_on: str | None = None, stop_ok: bool = False) -> Run:
+           env: dict[str, str | None] | None = None, stop_on: str | None = None, stop_ok: bool = False) -> Completed:
     """Run `cmd` (e.g. torchrun_cmd(...)) to the end, printing its output as it arrives (see `finish`)."""
     if timeout_s <= 0:  # before anything starts
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['FORMAT', 'SUFFIXES', 'FALLBACKS', 'LEAVE_OUT', 'exit_reason', 'atomic_write', 'atomic_save', 'CheckpointError',
            'CheckpointWarning', 'checkpoint_path', 'unwrap', 'digest', 'rng_state', 'set_rng_state', 'save_checkpoint',
-           'read_checkpoint', 'latest_good_checkpoint', 'Run', 'make_run', 'train_step', 'train', 'save',
+           'read_checkpoint', 'latest_good_checkpoint', 'RunState', 'make_run', 'train_step', 'train', 'save',
            'restore_loader', 'load_checkpoint', 'resume', 'weights', 'Preemption', 'wait_for', 'NonFiniteError',
            'PeerFailure', 'is_finite', 'bad_ranks', 'check_finite', 'init_distributed', 'finish_distributed',
            'peer_guard', 'oom_kind', 'free_memory', 'with_batch_backoff']
@@ -237,7 +237,7 @@ def latest_good_checkpoint(folder: str | Path, exclude: Iterable[str | Path] = (
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e013
 @dataclass
-class Run:
+class RunState:
     """A small training run and the position it has reached: the step, and where it is in the current epoch
     (`epoch_rng`: the loader generator's state when the epoch began; `batches`: the epoch's iterator)."""
 
@@ -253,7 +253,7 @@ class Run:
     batches: Iterator | None = None
 
 
-def make_run(seed: int = 0, total_steps: int = 64, rows: int = 256, batch: int = 32) -> Run:
+def make_run(seed: int = 0, total_steps: int = 64, rows: int = 256, batch: int = 32) -> RunState:
     """A seeded run of `total_steps` minibatch steps on fixed random data (rows // batch steps per epoch): AdamW,
     a one-cycle schedule, dropout, and a shuffling DataLoader with a generator of its own."""
     random.seed(seed)  # the three global generators that train_step draws from
@@ -266,10 +266,10 @@ def make_run(seed: int = 0, total_steps: int = 64, rows: int = 256, batch: int =
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=total_steps)
     gen = torch.Generator().manual_seed(seed + 1)  # the loader's own generator: the order of each epoch
     loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True, generator=gen)
-    return Run(model, opt, sched, loader, gen, seed)
+    return RunState(model, opt, sched, loader, gen, seed)
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e014
-def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor,
+def train_step(run: RunState, xb: torch.Tensor, yb: torch.Tensor,
                backward: Callable[[torch.Tensor], Any] | None = None) -> float:
     """One training step that draws from every global generator (built so, to show what each costs a resume);
     `backward` replaces `loss.backward()` (accelerate's `accelerator.backward`, say)."""
@@ -283,13 +283,13 @@ def train_step(run: Run, xb: torch.Tensor, yb: torch.Tensor,
     return loss.item()
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e016
-def _start_epoch(run: Run) -> None:
+def _start_epoch(run: RunState) -> None:
     """Begin an epoch: remember the loader generator's state, then let the loader draw this epoch's order."""
     run.epoch_rng = run.gen.get_state()
     run.batches, run.batches_done = iter(run.loader), 0
 
 
-def train(run: Run, stop: int, after_step: Callable[[Run], bool] | None = None) -> Run:
+def train(run: RunState, stop: int, after_step: Callable[[RunState], bool] | None = None) -> RunState:
     """Train from `run.step` to `stop`, epoch after epoch; `after_step(run)` runs after every step, and True from
     it stops early."""
     run.model.train()
@@ -305,13 +305,13 @@ def train(run: Run, stop: int, after_step: Callable[[Run], bool] | None = None) 
     return run
 
 # %% ../notebooks/09_long_runs.ipynb #2f642fbf
-def save(run: Run, path: str | Path, keep: int | None = None) -> Path:
+def save(run: RunState, path: str | Path, keep: int | None = None) -> Path:
     """Checkpoint the run atomically: model, optimizer, scheduler, RNGs, and where the loader is in its epoch."""
     loader = {"epoch_rng": run.epoch_rng, "batches_done": run.batches_done} if run.epoch_rng is not None else None
     return save_checkpoint(path, run.model, run.opt, run.sched, step=run.step, keep=keep, extra={"loader": loader})
 
 
-def restore_loader(run: Run, state: dict[str, Any] | None) -> None:
+def restore_loader(run: RunState, state: dict[str, Any] | None) -> None:
     """Rewind the loader generator to the saved epoch's start and replay the batches that epoch had served."""
     if state is None:
         return
@@ -371,7 +371,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
 LEAVE_OUT = ("optimizer", "scheduler", "python", "numpy", "torch", "loader")
 
 
-def resume(run: Run, path: str | Path, leave_out: str | None = None) -> Run:
+def resume(run: RunState, path: str | Path, leave_out: str | None = None) -> RunState:
     """Load a checkpoint into a fresh `run`; `leave_out` (one of LEAVE_OUT) skips that one state, as a resume
     that forgot it would."""
     if leave_out is not None and leave_out not in LEAVE_OUT:
@@ -386,9 +386,9 @@ def resume(run: Run, path: str | Path, leave_out: str | None = None) -> Run:
     return run
 
 
-def weights(run_or_path: Run | str | Path) -> dict[str, torch.Tensor]:
+def weights(run_or_path: RunState | str | Path) -> dict[str, torch.Tensor]:
     """The model weights of a run, or of a checkpoint file."""
-    if isinstance(run_or_path, Run):
+    if isinstance(run_or_path, RunState):
         return {k: v.detach().clone() for k, v in run_or_path.model.state_dict().items()}
     return read_checkpoint(run_or_path)["model"]
 

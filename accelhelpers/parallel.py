@@ -76,7 +76,7 @@ def reference(steps: int, batch: int, world: int = 2) -> nn.Module:
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model state a worker checkpointed (verified, loaded onto the CPU)."""
-    return ah.checkpoint.read_checkpoint(path, map_location="cpu")["model"]
+    return ah.longrun.read_checkpoint(path, map_location="cpu")["model"]
 
 # %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-setup-rank
 def rank_placement(hw: ah.device.Hardware, local_rank: int, local_world: int) -> tuple[torch.device, str]:
@@ -114,7 +114,7 @@ def setup_rank(timeout_s: float = 60.0, announce: bool = True) -> tuple[int, int
     device, backend = rank_placement(ah.device.Hardware.here(), local_rank, local_world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    rank, world = ah.faults.init_distributed(backend, timeout_s)
+    rank, world = ah.longrun.init_distributed(backend, timeout_s)
     if announce and rank == 0:  # one write: another rank's output cannot cut the line
         print(f"[rank0] {world} ranks, backend {backend}, "
               f"{'one GPU per rank' if device.type == 'cuda' else 'on the CPU'}\n", end="", flush=True)

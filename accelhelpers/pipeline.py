@@ -157,9 +157,9 @@ def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "
                 xb = xb.to(device, non_blocking=True)
                 t.items += len(tfms[name](xb) if name in tfms else xb)
                 if len(t.first_batch_s) == len(t.epoch_s):          # the first batch of this epoch
-                    ah.device.sync(device)
+                    ah.timing.sync(device)
                     t.first_batch_s.append(time.perf_counter() - t0)
-            ah.device.sync(device)
+            ah.timing.sync(device)
             t.epoch_s.append(time.perf_counter() - t0)
             if t.items == 0:
                 raise ValueError(f"loader {name!r} yielded no batches: check the dataset length and drop_last")
@@ -230,7 +230,7 @@ def profile_steps(step: Callable[[], object], steps: int = 5, trace: str | Path 
         for _ in range(steps):
             with torch.profiler.record_function("train_step"):
                 step()
-        ah.device.sync(device)
+        ah.timing.sync(device)
     if trace is not None:
         Path(trace).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
@@ -287,10 +287,10 @@ def data_wait_share(loader: Iterable, step: Callable[[torch.Tensor, torch.Tensor
         xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         if batch_tfm is not None:
             xb = batch_tfm(xb)
-        ah.device.sync(device)
+        ah.timing.sync(device)
         t1 = time.perf_counter()
         step(xb, yb)
-        ah.device.sync(device)
+        ah.timing.sync(device)
         wait, work, steps = wait + t1 - t0, work + time.perf_counter() - t1, steps + 1
         t0 = time.perf_counter()
     if steps == 0:
@@ -360,7 +360,7 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 2**2
 def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None = None,
                 optimizer_states: int = 2) -> Callable[[int], bool]:
     """A `fits(bs)` test for `largest_batch`: runs a step of batch `bs` (shaped like `sample`, on its device);
-    out of memory (`ah.faults.oom_kind`) means False, and the memory is freed; with a budget, the step's memory
+    out of memory (`ah.longrun.oom_kind`) means False, and the memory is freed; with a budget, the step's memory
     (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long after it is slow."""
     if budget_bytes is None and sample.device.type != "cuda":
         raise ValueError("on a CPU give budget_bytes (e.g. 2 * 2**30): without one every batch 'fits' until the "
@@ -370,12 +370,12 @@ def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None
         try:
             used = step_memory(model, sample.expand(bs, *sample.shape[1:]).contiguous(), optimizer_states)
         except (RuntimeError, MemoryError) as e:
-            if ah.faults.oom_kind(e) is None:
+            if ah.longrun.oom_kind(e) is None:
                 raise
         else:
             return budget_bytes is None or used <= budget_bytes
         model.zero_grad(set_to_none=True)  # outside the except block: its traceback no longer holds the tensors
-        ah.faults.free_memory()
+        ah.longrun.free_memory()
         return False
 
     return fits

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .longrun import atomic_write  # taught in chapter 09 (temporary file, fsync, rename): one definition, exported
+from . import longrun  # taught in chapter 09 (temporary file, fsync, rename): one definition, exported
 
 _state: dict[str, str | None] = {"chapter": None}
 
@@ -48,7 +48,7 @@ def current_chapter() -> str:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write bytes atomically (see `atomic_write`)."""
-    atomic_write(path, lambda f: f.write(data))
+    longrun.atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .device import available_devices, best_device, choose_profile, format_report, hardware_report
-from .results import set_chapter
+from . import device as devices
+from . import results
 
 T = TypeVar("T")
 
@@ -62,14 +62,20 @@ class Setup:
 
     @property
     def quick(self) -> bool:
-        """True in the quick (CPU, minutes) profile."""
+        """True in the quick (CPU, minutes) profile. The smoke profile is not quick: it takes the full profile's
+        code paths."""
         return self.profile == "quick"
 
-    def pick(self, value: T | None, quick: T, full: T) -> T:
-        """`value` when a parameter set it (papermill `-p`), else the profile's default: `quick` or `full`."""
+    def pick(self, value: T | None, quick: T, full: T, smoke: T | None = None) -> T:
+        """`value` when a parameter set it (papermill `-p`), else the profile's default: `quick` or `full`. The smoke
+        profile takes `full` too (the full profile's code paths, dtypes and lists), except where the chapter gives a
+        `smoke` value: a few epochs, steps, rounds or seeds, or a smaller size where one call of the full one costs
+        minutes on a CPU. So a CPU checks in minutes that the full profile runs; its figures measure nothing."""
         if value is not None:
             return value
-        return quick if self.quick else full
+        if self.quick:
+            return quick
+        return smoke if self.profile == "smoke" and smoke is not None else full
 
 
 def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True,
@@ -77,19 +83,19 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
     """Start a chapter: seed, pick the device, print the hardware report. `profile`: the notebook's PROFILE
     (None: `device.choose_profile`); `supports`: the device kinds the chapter is written for, where the best device
     is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
-    set_chapter(chapter)
+    results.set_chapter(chapter)
     seed_everything(seed)
-    note, best = None, available_devices()[0]
+    note, best = None, devices.available_devices()[0]
     if device is None and not os.environ.get("ACCEL_DEVICE") and best not in supports:
         note = (f"This host's best device is {best}, but chapter {chapter} is written for "
                 f"{', '.join(supports)}: it runs on the CPU here (chapter 07 is the TPU/XLA chapter).")
         dev = torch.device("cpu")
     else:
-        dev = best_device(device)
-    prof = choose_profile(profile, dev.type)
-    report = {**hardware_report(), "profile": prof}
+        dev = devices.best_device(device)
+    prof = devices.choose_profile(profile, dev.type)
+    report = {**devices.hardware_report(), "profile": prof}
     if verbose:
-        print(format_report(report))
+        print(devices.format_report(report))
         if note:
             print("\n" + note)
         if dev.type == "cpu":
@@ -97,6 +103,9 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
                   f"follow the '{prof}' profile (PROFILE = 'full' or ACCEL_PROFILE=full for the original sizes).")
         else:
             print(f"\nUsing {dev} with the '{prof}' profile.")
+        if prof == "smoke":
+            print("The smoke profile: the full profile's code paths and dtypes with a few steps of each, to "
+                  "check that it runs. Its figures measure nothing; run PROFILE = 'full' for them.")
     return Setup(chapter, dev, prof, report)
 
 

@@ -18,9 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .device import Hardware
-from .launch import free_port
-from .results import build_dir
+from . import launch, results
+from .device import Hardware as _Hardware
 
 BINARIES = ("sbatch", "srun", "scontrol", "sinfo", "slurmctld", "slurmd", "munged")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
@@ -103,12 +102,12 @@ def _munge() -> None:
         raise SlurmUnavailable(f"munged did not start: {r.stderr.strip() or r.stdout.strip()}")
 
 
-def task_hardware(env: Mapping[str, str]) -> Hardware:
+def task_hardware(env: Mapping[str, str]) -> _Hardware:
     """The hardware of a task that Slurm started with environment `env`, each fake GPU an A100 (FAKE_GPU): as many
     GPUs as its CUDA_VISIBLE_DEVICES names, and the per-task binding as Hardware.here reads it from the task's SLURM*
     variables (this process's own set aside). This process's CUDA_VISIBLE_DEVICES is left alone: CUDA reads it once
     per process."""
-    hw = Hardware.here("cpu", env={k: v for k, v in env.items() if k.startswith("SLURM")})
+    hw = _Hardware.here("cpu", env={k: v for k, v in env.items() if k.startswith("SLURM")})
     visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     return replace(hw, kind="cuda", gpus=len(visible), **FAKE_GPU)
 
@@ -244,7 +243,7 @@ def start(folder: str | Path | None = None, cpus: int | None = None, timeout: fl
     reason = unavailable(gpus)
     if reason:
         raise SlurmUnavailable(reason)
-    folder = Path(folder) if folder else build_dir() / "slurm"
+    folder = Path(folder) if folder else results.build_dir() / "slurm"
     shutil.rmtree(folder, ignore_errors=True)
     for sub in ("state", "spool"):
         (folder / sub).mkdir(parents=True)
@@ -253,7 +252,7 @@ def start(folder: str | Path | None = None, cpus: int | None = None, timeout: fl
     if gpus:
         fake_gpus(cluster.folder, gpus)
         (cluster.folder / "gres.conf").write_text(gres_config(cluster.folder, gpus))
-    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, free_port(), free_port(), gpus))
+    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, launch.free_port(), launch.free_port(), gpus))
     _munge()
     for daemon in ("slurmctld", "slurmd"):
         r = subprocess.run([daemon, "-f", str(cluster.conf)], capture_output=True, text=True, env=cluster.env())

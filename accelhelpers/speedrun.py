@@ -6,7 +6,7 @@
 __all__ = ['Language', 'make_language', 'sample', 'fingerprint', 'bayes_loss', 'previous_token_loss', 'GPTConfig',
            'CausalSelfAttention', 'MLP', 'Block', 'GPT', 'flops_per_token', 'Recipe', 'switch_problem', 'Row', 'needs',
            'Planned', 'plan', 'Hyper', 'initial_weights', 'compile_options', 'Trainer', 'sdpa_backend', 'warm_up',
-           'step_memory', 'Run', 'run_to_target', 'RowResult', 'spread', 'mfu', 'speed_ratio', 'paired', 'says',
+           'step_memory', 'TargetRun', 'run_to_target', 'RowResult', 'spread', 'mfu', 'speed_ratio', 'paired', 'says',
            'table']
 
 # %% ../notebooks/11_speedrun.ipynb #speedrun-imports
@@ -516,7 +516,7 @@ def step_memory(tr: Trainer) -> int | None:
 
 
 @dataclass
-class Run:
+class TargetRun:
     """One training run to the target: reached or not, after how many steps and seconds of training."""
 
     seed: int
@@ -527,7 +527,7 @@ class Run:
 
 
 def run_to_target(tr: Trainer, seed: int, val: torch.Tensor, target: float, every: int, max_seconds: float,
-                  max_steps: int = 1_000_000) -> Run:
+                  max_steps: int = 1_000_000) -> TargetRun:
     """Train from the seed's start until the validation loss, checked every `every` steps, is at or below `target`;
     give up past `max_seconds` of training, `max_steps` steps or a non-finite loss. On several ranks every rank takes
     the same decision (the loss is averaged, the clock is the slowest rank's)."""
@@ -547,7 +547,7 @@ def run_to_target(tr: Trainer, seed: int, val: torch.Tensor, target: float, ever
             clock = slowest.item()
         loss = tr.evaluate(val)                             # ... while the validation loss is computed
         if loss <= target or not math.isfinite(loss) or clock >= max_seconds or tr.steps >= max_steps:
-            return Run(seed, loss <= target, tr.steps, clock, loss)
+            return TargetRun(seed, loss <= target, tr.steps, clock, loss)
 
 # %% ../notebooks/11_speedrun.ipynb #speedrun-table
 @dataclass
@@ -564,7 +564,7 @@ class RowResult:
     reference: list[float] = field(default_factory=list)      # the row above, same rounds (rows run in other processes)
     peak_bytes: int | None = None
     compile_s: float | None = None
-    runs: list[Run] = field(default_factory=list)
+    runs: list[TargetRun] = field(default_factory=list)
     where: str = "this process"
 
     @property

@@ -151,9 +151,9 @@ def litert_python() -> Path:
 
 
 def fingerprint(model: nn.Module, *arrays: Any) -> str:
-    """SHA-256 (`ah.checkpoint.digest`) of a model's parameters and buffers and of some arrays, shapes and dtypes
+    """SHA-256 (`ah.longrun.digest`) of a model's parameters and buffers and of some arrays, shapes and dtypes
     included: names what a converted file was made from."""
-    return ah.checkpoint.digest([model.state_dict(), *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)])
+    return ah.longrun.digest([model.state_dict(), *(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)])
 
 
 def converted_from(path: str | Path, model: nn.Module, calib_x: Any) -> bool:

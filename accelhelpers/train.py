@@ -13,10 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import Split
-from .device import sync
-from .metrics import accuracy
-from .precision import minibatch_step  # taught in chapter 04: one definition, exported from its cell
+from . import metrics, precision, timing  # precision: chapter 04 teaches minibatch_step, exported from its cell
+from .data import Split as _Split
 from .session import progress as _progress
 
 
@@ -41,14 +39,14 @@ class FitHistory:
         return None, None
 
 
-def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, epochs: int,
+def fit(model: nn.Module, split: _Split | tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, epochs: int,
         bs: int = 64, *, seed: int = 0, policy: Any = None, on_step: Callable[[int], None] | None = None,
         scheduler: Any = None, drop_last: bool = False, progress: str | bool = False) -> FitHistory:
     """Minibatch training with cross-entropy: each epoch a fresh permutation from a CPU generator seeded by `seed`,
     batches of `bs` (the last one short unless `drop_last`). `policy` (precision.Policy) adds autocast and, for
     fp16, a GradScaler; `on_step(it)` runs before step `it` (e.g. to set one-cycle hyper-parameters);
     `scheduler.step()` after each optimizer step. With a Split, the test accuracy and loss after every epoch."""
-    x, y = (split.x_train, split.y_train) if isinstance(split, Split) else split
+    x, y = (split.x_train, split.y_train) if isinstance(split, _Split) else split
     if epochs < 1 or bs < 1 or len(x) != len(y):
         raise ValueError(f"fit needs epochs >= 1, bs >= 1 and one label per row, got {epochs=}, {bs=}, "
                          f"{len(x)} rows and {len(y)} labels")
@@ -57,25 +55,25 @@ def fit(model: nn.Module, split: Split | tuple[torch.Tensor, torch.Tensor], opt:
     hist, elapsed, it = FitHistory(), 0.0, 0
     model.train()
     for _ in _progress(range(epochs), progress, unit="epoch"):
-        sync(x.device)
+        timing.sync(x.device)
         t0 = time.perf_counter()
         for idx in torch.randperm(len(x), generator=gen).to(x.device).split(bs):
             if drop_last and len(idx) < bs:
                 break
             if on_step is not None:
                 on_step(it)
-            minibatch_step(model, opt, x[idx], y[idx], policy, scaler)
+            precision.minibatch_step(model, opt, x[idx], y[idx], policy, scaler)
             if scheduler is not None:
                 scheduler.step()
             it += 1
-        sync(x.device)
+        timing.sync(x.device)
         elapsed += time.perf_counter() - t0
         hist.seconds.append(elapsed)
-        if isinstance(split, Split):  # test accuracy and loss, under the policy's autocast
+        if isinstance(split, _Split):  # test accuracy and loss, under the policy's autocast
             model.eval()
             with torch.no_grad(), (policy.autocast() if policy is not None else nullcontext()):
                 logits = model(split.x_test).float()
             model.train()
-            hist.acc.append(accuracy(logits, split.y_test))
+            hist.acc.append(metrics.accuracy(logits, split.y_test))
             hist.loss.append(F.cross_entropy(logits, split.y_test).item())
     return hist

@@ -16,10 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import fullbatch
-from .device import machine_line
-from .models import udl_mlp
-from .results import read_json, repo_root
+from . import device, fullbatch, models, results
 
 EXPERIMENT = "udlbook-20.2"
 SCHEMA = "accel-course/reproduce-udlbook-20.2/1"
@@ -39,7 +36,7 @@ class ResultError(ValueError):
 
 def model_for(depth: int) -> torch.nn.Sequential:
     """udlbook's MLP of this depth, seeded with the depth, padded as PAD says."""
-    return fullbatch.pad_mlp(udl_mlp(depth, seed=depth), PAD[depth])
+    return fullbatch.pad_mlp(models.udl_mlp(depth, seed=depth), PAD[depth])
 
 
 def figure(result: dict[str, Any], ax: Any = None, label: str | None = None, **style: Any) -> Any:
@@ -75,7 +72,8 @@ def load_result(path: str | Path) -> dict[str, Any]:
         path = _paths(path)["json"]
     if not path.exists():
         raise ResultError(f"no {EXPERIMENT} result at {path}: run `python -m accelhelpers reproduce {EXPERIMENT}`")
-    result = read_json(path, f"run `python -m accelhelpers reproduce {EXPERIMENT}` into a new --out", ResultError)
+    result = results.read_json(path, f"run `python -m accelhelpers reproduce {EXPERIMENT}` into a new --out",
+                               ResultError)
     if result.get("schema") != SCHEMA:
         raise ResultError(f"{path} is not a {EXPERIMENT} result (schema {result.get('schema')!r})")
     return result
@@ -89,7 +87,7 @@ def results_folder(precision: str = "fp32") -> str:
 def recorded_runs(root: Path | None = None, precision: str = "fp32") -> list[tuple[dict[str, Any], Path]]:
     """Every committed full run in `precision`, results/udlbook-20.2[-bf16]_<hardware>_<date>/ in the checkout,
     oldest finished first."""
-    root = root or repo_root()
+    root = root or results.repo_root()
     found = root.glob(f"results/{results_folder(precision)}*/{EXPERIMENT}.json") if root else []
     return sorted(((load_result(p), p.parent) for p in found), key=lambda run: run[0]["created"])
 
@@ -111,6 +109,6 @@ def train_errors(folder: str | Path) -> dict[int, np.ndarray]:
 def describe(result: dict[str, Any]) -> str:
     """Where and how a run ran, in one line: hardware, date, processes and threads, wall time."""
     s = result["settings"]
-    return (f"{machine_line(result['hardware'])}, {result['created'][:10]}, {s.get('precision', 'fp32')}, "
+    return (f"{device.machine_line(result['hardware'])}, {result['created'][:10]}, {s.get('precision', 'fp32')}, "
             f"{s['jobs']} process(es) x {s['threads'] or 'default'} thread(s), "
             f"wall time {result['wall_s'] / 60:.0f} min")

@@ -27,169 +27,10 @@ def compat_teardown_abort(output: str) -> bool:
 
 
 # --- the tiers ------------------------------------------------------------------------------------------------------
-# `make test-fast` (the edit-test loop) runs every test not marked slow; `make test` runs them all. Slow: a notebook,
-# and the tests below, which start other processes (torchrun, a course run, JupyterLab, Slurm, g++) or train for
-# seconds: each took 1.5 s or more in `pytest tests --durations=0` on the 2-core machine. A new slow test goes here
-# (tests/test_tiers.py checks that every name still exists). A test that uses one of the module fixtures in
-# SLOW_FIXTURES (each starts processes or a cluster for its module) is slow too, whichever test runs it first.
-SLOW = {
-    "test_bad_input": {
-        "test_bad_input_gets_a_clear_error",
-    },
-    "test_browser": {
-        "test_chapter_01_runs_in_jupyterlab_without_errors",
-        "test_course_report_renders",
-        "test_the_error_check_catches_an_exception",
-    },
-    "test_worker_edits": {
-        "test_an_edited_cell_reaches_the_launched_workers",
-    },
-    "test_checkpoint": {
-        "test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable",
-        "test_exact_resume_in_a_fresh_process_is_bit_identical",
-        "test_save_and_load_restore_every_state_and_the_step",
-        "test_unwrap_removes_data_parallel_and_compile_wrappers",
-    },
-    "test_course": {
-        "test_bad_input_is_one_clear_message_and_writes_nothing",
-        "test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback",
-        "test_course_run_never_writes_into_recorded_results",
-        "test_course_run_passes_the_profile_as_a_parameter",
-        "test_env_prints_the_report",
-        "test_papermill_parameters_take_effect_in_a_real_chapter",
-        "test_plain_pytest_nbval_compares_the_quick_cpu_run_on_any_machine",
-        "test_readme_tables_are_exactly_what_the_command_writes",
-        "test_real_chapter_01_through_the_cli",
-        "test_run_goes_on_past_a_failing_chapter_and_names_it",
-    },
-    "test_course_runner": {
-        "test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole",
-    },
-    "test_data_models": {
-        "test_corrupt_cache_is_regenerated",
-        "test_fastai_patches_add_the_learner_methods_the_chapters_call",
-        "test_mnist1d_shapes_and_cache",
-    },
-    "test_deploy": {
-        "test_fit_classifier_is_the_plain_adamw_one_cycle_loop",
-        "test_hls4ml_emulation_is_bit_exact_with_numpy_model",
-        "test_hls_conversions_in_threads_do_not_break_each_others_trace",
-        "test_onnx_export_parity_and_int8_by_hand_equals_ort",
-        "test_static_quantization",
-    },
-    "test_device": {
-        "test_colab_detection_never_raises_without_a_google_package",
-        "test_tpu_pci_ids_are_torch_xlas",
-    },
-    "test_fullbatch": {
-        "test_ablation_rows_are_medians_with_enough_steps_and_ratios_per_round",
-        "test_bench_runs_every_variant_and_writes_the_schema",
-        "test_compiled_step_matches_eager",
-        "test_every_ablation_switch_gives_the_same_losses",
-        "test_fast_path_follows_the_naive_trajectory",
-        "test_fastai_learner_runs_the_same_workload",
-        "test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_place",
-        "test_fullgraph_test_every_k_changes_only_when_the_test_error_is_measured",
-        "test_graph_breaks_counts_what_dynamo_makes_of_each_step_and_trains_nothing",
-        "test_many_models_train_exactly_as_each_alone",
-        "test_padding_to_the_vector_width_changes_nothing_but_speed",
-        "test_udlbooks_loop_takes_the_training_error_from_the_steps_own_forward_pass",
-    },
-    "test_launch": {
-        "test_a_deadline_kills_the_whole_group_even_a_silent_child",
-    },
-    "test_layout": {
-        "test_no_notebook_and_no_module_below_the_commands_uses_them",
-    },
-    "test_longrun": {
-        "test_a_run_killed_between_checkpoints_resumes_bit_identical_in_a_new_process",
-        "test_fsdp2_shards_saved_by_two_ranks_load_into_one_process",
-        "test_a_save_killed_half_way_loses_everything_with_torch_save_and_nothing_atomically",
-        "test_a_worker_killed_mid_run_is_restarted_and_resumes_from_the_last_checkpoint",
-        "test_every_state_left_out_of_a_resume_changes_the_result",
-        "test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout",
-        "test_torchrun_restarts_a_killed_worker_and_it_resumes_from_the_last_checkpoint",
-        "test_wait_for_times_out_when_the_group_has_gone_before_the_kill",
-    },
-    "test_nonfinite": {
-        "test_a_nan_on_one_rank_stops_both_when_agreed_and_strands_the_other_when_local",
-        "test_ddp_all_ranks_stop_together_when_only_one_sees_a_nan",
-    },
-    "test_oom": {
-        "test_a_real_cpu_oom_under_a_memory_limit_is_backed_off_both_ways",
-        "test_batch_backoff_frees_the_failed_step_and_halves_until_it_fits",
-    },
-    "test_optim": {
-        "test_matches_torch_optim",
-    },
-    "test_parallel": {
-        "test_pipeline_refuses_other_than_two_ranks",
-        "test_setup_rank_picks_gloo_on_the_cpu_here_and_announces_it",
-        "test_two_ranks_of_batch_b_equal_one_process_of_batch_2b",
-    },
-    "test_peers": {
-        "test_a_dead_or_stuck_peer_is_a_clear_error_within_the_timeout_not_a_hang",
-    },
-    "test_pipeline": {
-        "test_memory_fits_backs_off_on_any_devices_out_of_memory",
-        "test_memory_fits_backs_off_on_out_of_memory",
-    },
-    "test_precision": {
-        "test_checkpointed_keeps_the_gradients_and_holds_fewer_bytes",
-        "test_xla_policy_really_runs_bf16_on_pjrt_cpu",
-    },
-    "test_preemption": {
-        "test_sigterm_is_a_clean_save_with_preemption_and_a_loss_without",
-    },
-    "test_progress": {
-        "test_a_bar_is_drawn_when_asked_and_tqdm_disable_silences_it",
-        "test_a_loop_with_a_bar_trains_exactly_as_one_without",
-    },
-    "test_reproduce": {
-        "test_a_run_writes_the_result_the_figure_and_every_epochs_error",
-        "test_an_in_process_run_gives_ctrl_c_and_kill_back",
-        "test_bad_arguments_get_one_line",
-        "test_bf16_runs_in_bf16_and_resumes_to_the_same_bits",
-        "test_ctrl_c_checkpoints_and_says_how_to_resume",
-        "test_killed_at_random_points_and_resumed_it_ends_with_the_same_bits",
-        "test_recorded_finds_the_newest_committed_run_and_every_epochs_error",
-        "test_refuses_to_overwrite_or_to_mix_settings",
-    },
-    "test_slurm": {
-        "test_a_job_runs_every_task_and_its_output_comes_back",
-        "test_a_killed_rank_fails_the_job_with_its_reason",
-        "test_a_requeued_job_resumes_to_the_same_bits",
-        "test_one_and_two_tasks_train_the_same_model",
-        "test_without_slurm_the_chapter_explains_itself_and_runs_to_the_end",
-    },
-    "test_speedrun": {
-        "test_a_new_row_is_measured_and_tabled_without_other_edits",
-        "test_the_chapters_ddp_worker_trains_a_row_on_two_ranks",
-        "test_the_course_runner_gives_a_chapter_its_own_profile",
-        "test_train_to_an_easy_target_and_not_to_an_impossible_one",
-    },
-    "test_timing": {
-        "test_noise_watch_reads_load_and_the_reference_kernel",
-        "test_timing_and_device_import_in_either_order_without_a_circle",
-    },
-    "test_toolflows": {
-        "test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit",
-        "test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax",
-        "test_nncf_quantize_hands_rich_its_jupyter_setting_back",
-        "test_openvino_fp32_equals_onnx_runtime_on_the_same_file_and_inputs",
-        "test_the_chapters_script_converts_to_a_full_integer_model_that_keeps_the_argmax",
-        "test_torchao_int4_quantizes_only_the_layers_its_cpu_kernel_takes",
-        "test_torchao_int8_stays_close_to_fp32_and_leaves_the_original_alone",
-    },
-    "test_train": {
-        "test_fit_matches_the_loop_written_out_and_records_each_epoch",
-    },
-    "test_xla": {
-        "test_launch_demo_one_device_runs",
-    },
-}
-SLOW_FIXTURES = {"test_parallel": {"jobs"}, "test_reproduce": {"straight", "straight_bf16"},
-                 "test_slurm": {"cluster", "gpu_cluster"}}
+# `make test-fast` (the edit-test loop) runs every test not marked slow; `make test` runs them all. Slow: a notebook
+# (marked here, since a notebook has no decorator), and each test marked `@pytest.mark.slow` in its file: it starts
+# other processes (torchrun, a course run, JupyterLab, Slurm, g++), or uses a module fixture that does, or trains for
+# seconds (1.5 s or more in `pytest tests --durations=0` on the 2-core machine).
 
 
 # `make test` runs on two xdist workers, one file at a time each, in collection order (`--no-loadscope-reorder`:
@@ -211,9 +52,7 @@ COST = {"test_fullbatch": 110, "test_course": 96, "06_distributed_data_parallel"
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -COST.get(item.path.stem, 0))  # stable: a file's tests keep their order
     for item in items:
-        name = getattr(item, "originalname", item.name)
-        uses = set(getattr(item, "fixturenames", ())) & SLOW_FIXTURES.get(item.path.stem, set())
-        if item.path.suffix == ".ipynb" or name in SLOW.get(item.path.stem, ()) or uses:
+        if item.path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
 
 

@@ -1,14 +1,18 @@
-"""A second numeric path on this CPU, for `make test-numerics`: other vector kernels (ATEN_CPU_CAPABILITY one level
-below this CPU's, MKL held to AVX2), so nbval can check on one machine that the chapters' compared outputs hold on
-another CPU. Prints the environment as `NAME=value ...` on one line, after checking that it really changes a training
-run's bits here (200 SGD steps of a small MLP, in a child process under each environment); if it does not, the check
-would prove nothing: it says so on stderr and exits 1."""
+"""A second numeric path on this CPU, for `make test`: other vector kernels (ATEN_CPU_CAPABILITY one level below this
+CPU's, MKL held to AVX2), so nbval checks on one machine that the chapters' compared outputs hold on another CPU.
+Prints the environment as `NAME=value ...` on one line (with an inductor cache of its own: torch 2.9's does not key on
+ATEN_CPU_CAPABILITY, and a kernel compiled for AVX-512 loaded under avx2 killed a Jupyter kernel), after checking that
+it really changes a training run's bits here (200 SGD steps of a small MLP, in a child process under each
+environment); if it does not, the check would prove nothing: it says so on stderr and exits 1."""
 
 from __future__ import annotations
 
+import getpass
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 TRAIN = """
 import hashlib, torch
@@ -26,7 +30,8 @@ print(torch.backends.cpu.get_cpu_capability(), hashlib.sha256(bits).hexdigest()[
 def second_path(capability: str) -> dict[str, str]:
     """The environment of a numeric path other than this CPU's own (`capability`: torch's name for its kernels)."""
     below = {"AVX512": "avx2", "AVX512_BF16": "avx2", "AVX2": "default"}.get(capability.upper(), "default")
-    return {"ATEN_CPU_CAPABILITY": below, "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_aten-{below}_mkl-avx2"
+    return {"ATEN_CPU_CAPABILITY": below, "MKL_ENABLE_INSTRUCTIONS": "AVX2", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
 
 
 def train(extra: dict[str, str]) -> tuple[str, str]:

@@ -39,7 +39,7 @@ GOOD = [  # (call, exception type, message naming the argument and the valid ran
 FLOOR = [  # the floor's and timing's own checks (once gaps: torch internals or silent nonsense), and one valid input
     ("best_device('cpu:x')", lambda: ah.device.best_device("cpu:x"), ah.device.DeviceUnavailable, "kind:N"),
     ("best_device('Cpu:0')", lambda: ah.device.best_device("Cpu:0"), None, None),
-    ("sync('gpu')", lambda: ah.device.sync("gpu"), ValueError, "choose one of cuda, xla, mps, cpu"),
+    ("sync('gpu')", lambda: ah.timing.sync("gpu"), ValueError, "choose one of cuda, xla, mps, cpu"),
     ("digits(device='gpu')", lambda: ah.data.digits(device="gpu"), ah.device.DeviceUnavailable, "choose one of"),
     ("Split(empty)", lambda: ah.data.Split(*(torch.zeros(0),) * 4), ValueError, "x_train.*empty"),
     ("Split(lengths differ)", lambda: ah.data.Split(torch.zeros(4, 2), torch.zeros(3, dtype=torch.long),
@@ -55,6 +55,7 @@ FLOOR = [  # the floor's and timing's own checks (once gaps: torch internals or 
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, call, exc, message", GOOD, ids=[g[0] for g in GOOD])
 def test_bad_input_gets_a_clear_error(name, call, exc, message):
     with pytest.raises(exc, match=message):

@@ -240,6 +240,7 @@ def _save(page, panel, path: Path, n_expected: int) -> nbformat.NotebookNode:
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_chapter_01_runs_in_jupyterlab_without_errors(lab, page):
     panel, state = _run_all(page, lab, CHAPTER)
     n_code = sum(c.cell_type == "code" for c in nbformat.read(lab.root / CHAPTER, as_version=4).cells)
@@ -264,6 +265,7 @@ def test_chapter_01_runs_in_jupyterlab_without_errors(lab, page):
     print(f"chapter 01 ran in JupyterLab in {state['seconds']} s; browser console errors: {page.console_errors}")
 
 
+@pytest.mark.slow
 def test_the_error_check_catches_an_exception(lab, page):
     """Negative control: the same run and checks on a notebook whose second cell raises."""
     panel, state = _run_all(page, lab, "error_control.ipynb", timeout=60)
@@ -276,6 +278,7 @@ def test_the_error_check_catches_an_exception(lab, page):
     assert [o.ename for c in saved.cells for o in c.outputs if o.output_type == "error"] == ["ZeroDivisionError"]
 
 
+@pytest.mark.slow
 def test_course_report_renders(tmp_path, page, chapter_01_run):
     """build/report.html of a real run of chapter 01 (the shared one of conftest.py), opened from disk as
     `make course` leaves it."""

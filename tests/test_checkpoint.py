@@ -1,6 +1,5 @@
 """Checkpoints (chapter 09): atomic save, safe verified load, exact resume in a fresh process (the chapter's
-train.py and variants.py), a process killed mid-save (kill_mid_save.py), corruption; and the floor modules
-ah.checkpoint and ah.faults, which name the chapter's definitions for the rest of the package."""
+train.py and variants.py), a process killed mid-save (kill_mid_save.py), corruption."""
 
 import pickle
 import random
@@ -81,6 +80,7 @@ def test_digest_is_bit_exact_and_independent_of_container_copies():
     assert ah.longrun.digest({"a": 1}) != ah.longrun.digest({"a": 1.0})
 
 
+@pytest.mark.slow
 def test_unwrap_removes_data_parallel_and_compile_wrappers():
     model = nn.Linear(3, 2)
     assert ah.longrun.unwrap(nn.DataParallel(model)) is model
@@ -88,6 +88,7 @@ def test_unwrap_removes_data_parallel_and_compile_wrappers():
     assert ah.longrun.unwrap(model) is model
 
 
+@pytest.mark.slow
 def test_save_and_load_restore_every_state_and_the_step(tmp_path):
     model, opt, sched, scaler = tiny()
     path = ah.longrun.save_checkpoint(tmp_path / "a.pt", model, opt, sched, scaler, step=3, extra={"epoch": 1})
@@ -146,6 +147,7 @@ def test_an_error_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
+@pytest.mark.slow
 def test_exact_resume_in_a_fresh_process_is_bit_identical(tmp_path, workers):
     """24 steps straight == killed after 13, resumed in a new process from step 8 with every state; resumed without
     one of the RNG states it is not (the test can fail: RNG states matter)."""
@@ -165,6 +167,7 @@ def test_exact_resume_in_a_fresh_process_is_bit_identical(tmp_path, workers):
         assert not same(straight["model"], ah.longrun.read_checkpoint(tmp_path / "v" / f"final_{rng}.pt")["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 1.0], ids=["mid-write", "before-rename"])
 def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, fraction, workers):
     """SIGKILLed half-way through writing the temporary file, or with it complete but not yet renamed."""
@@ -349,14 +352,3 @@ def test_atomic_save_writes_any_format_through_the_temporary_file(tmp_path):
     ah.longrun.atomic_save("plain text", tmp_path / "notes.txt", write=write_text)
     assert (tmp_path / "notes.txt").read_text() == "plain text"
     assert len(seen) == 1 and seen[0].startswith(".notes.txt.") and seen[0].endswith(".tmp")
-
-
-def test_the_floor_modules_name_the_chapters_definitions():
-    """ah.checkpoint and ah.faults (used by chapter 05's finder, chapter 06's workers and the commands) hold no
-    second copy: every name is chapter 09's exported definition."""
-    for floor in (ah.checkpoint, ah.faults):
-        assert floor.__all__ and all(getattr(floor, name) is getattr(ah.longrun, name) for name in floor.__all__)
-    assert {"save_checkpoint", "load_checkpoint", "read_checkpoint", "latest_good_checkpoint"} <= set(
-        ah.checkpoint.__all__)
-    assert {"Preemption", "check_finite", "init_distributed", "oom_kind", "with_batch_backoff"} <= set(
-        ah.faults.__all__)

@@ -48,12 +48,14 @@ def toy_course(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_env_prints_the_report():
     r = cli("env")
     assert r.returncode == 0 and "best_device" in r.stdout and "torch" in r.stdout
     assert json.loads(cli("env", "--json").stdout)["torch"]
 
 
+@pytest.mark.slow
 def test_run_goes_on_past_a_failing_chapter_and_names_it(toy_course):
     out = toy_course / "build"
     r = cli("course", "run", "--out", "build", env={"ACCEL_NOTEBOOKS": str(toy_course / "notebooks")}, cwd=toy_course)
@@ -76,13 +78,14 @@ def test_run_goes_on_past_a_failing_chapter_and_names_it(toy_course):
     assert "headline result not recorded, chapter 01: fp32_matmul_peak" in r.stderr
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path, cli_here):
     out = tmp_path / "out"
     r = cli("course", "run", "--only", "99", "--out", str(out))  # through the real entry point, in a new process
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert "no chapter '99': choose from 01" in r.stderr and not out.exists()
     r = cli_here("course", "run", "--profile", "bogus", "--out", out)
-    assert r.returncode == 2 and "invalid choice: 'bogus' (choose from 'quick', 'full')" in r.stderr
+    assert r.returncode == 2 and "invalid choice: 'bogus' (choose from 'quick', 'full', 'smoke')" in r.stderr
     assert not out.exists()
     if "cuda" not in ah_devices():
         r = cli_here("bench", "fullbatch", "--rounds", "1", env={"ACCEL_DEVICE": "cuda"})
@@ -100,6 +103,7 @@ def test_bad_input_is_one_clear_message_and_writes_nothing(tmp_path, cli_here):
     assert r.returncode == 0 and "invalid" in r.stdout
 
 
+@pytest.mark.slow
 def test_real_chapter_01_through_the_cli(chapter_01_run):
     out, returncode, output = chapter_01_run  # `course run --only 1 --out … --param …` (conftest.py), shared
     assert returncode == 0, output
@@ -144,6 +148,7 @@ def test_parameters_cell_holds_literal_defaults_only(nb):
     assert f'ah.session.setup("{nb.name[:2]}", profile=PROFILE' in after
 
 
+@pytest.mark.slow
 def test_papermill_parameters_take_effect_in_a_real_chapter(chapter_01_run):
     """`course run --only 1 --param 'MATMUL_SIZES=[16, 32]' …` (papermill's parameters, conftest.py): the chapter
     times exactly the sizes it was given, in the quick profile."""
@@ -170,6 +175,7 @@ def test_param_names_a_parameter_the_chapter_has_or_says_which_it_has(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_course_run_passes_the_profile_as_a_parameter(tmp_path):
     nbs = tmp_path / "notebooks"
     nbs.mkdir()
@@ -189,6 +195,7 @@ def test_course_run_passes_the_profile_as_a_parameter(tmp_path):
     assert json.loads((out / "results" / "01.json").read_text())[0]["value"] == 1.0
 
 
+@pytest.mark.slow
 def test_course_run_never_writes_into_recorded_results(tmp_path):
     for target in (ROOT / "results", ROOT / "results" / "new_run"):
         r = cli("course", "run", "--only", "1", "--out", str(target))
@@ -223,6 +230,7 @@ def test_report_says_when_a_chapter_measured_under_noise(tmp_path):
     assert "Measured under noise, chapter 01:</b> TOO NOISY" in html.read_text()
 
 
+@pytest.mark.slow
 def test_readme_tables_are_exactly_what_the_command_writes():
     """The README's results tables come from results/ (`python -m accelhelpers course readme`), never typed."""
 
@@ -258,6 +266,7 @@ def test_a_damaged_recorded_udlbook_run_is_bad_input_for_the_readme(tmp_path):
         ah.commands.course.readme_tables(tmp_path / "results")
 
 
+@pytest.mark.slow
 def test_plain_pytest_nbval_compares_the_quick_cpu_run_on_any_machine(tmp_path):
     """A machine whose environment asks for the full profile on a GPU (as a GPU machine's default would) still
     compares the committed quick CPU outputs: the root conftest.py sets both for every kernel nbval starts."""
@@ -308,6 +317,7 @@ def test_report_html_is_rendered_from_the_shipped_template_and_escapes_what_it_s
     assert page.count("<h2 id=ch") == 2 and "{{" not in page and "{%" not in page
 
 
+@pytest.mark.slow
 def test_cli_says_bad_input_in_one_line_and_leaves_a_bug_its_traceback(tmp_path, monkeypatch, cli_here):
     """Only the package's own input errors (CommandError, DeviceUnavailable) become one line and exit 2; any other
     exception, a ValueError from deep inside included, is a bug and keeps its traceback."""

@@ -41,6 +41,7 @@ def _toy_notebook(path: Path, *sources: str) -> None:
     nbformat.write(nb, path)
 
 
+@pytest.mark.slow
 def test_course_reruns_overwrite_cleanly_and_ctrl_c_leaves_the_report_whole(tmp_path, monkeypatch):
     nbs, out, mark = tmp_path / "notebooks", tmp_path / "out", tmp_path / "mark"
     nbs.mkdir()

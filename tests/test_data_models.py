@@ -7,6 +7,7 @@ import accelhelpers as ah
 from accelhelpers import models
 
 
+@pytest.mark.slow
 def test_mnist1d_shapes_and_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_CACHE", str(tmp_path))
     d = ah.data.mnist1d()
@@ -17,6 +18,7 @@ def test_mnist1d_shapes_and_cache(tmp_path, monkeypatch):
     assert torch.equal(again.x_train, d.x_train)
 
 
+@pytest.mark.slow
 def test_corrupt_cache_is_regenerated(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_CACHE", str(tmp_path))
     good = ah.data.mnist1d()
@@ -77,6 +79,7 @@ def test_cnn1d_takes_batch_by_length_as_its_docstring_says():
         model(torch.zeros(3, 1, 40))
 
 
+@pytest.mark.slow
 def test_fastai_patches_add_the_learner_methods_the_chapters_call():
     from accelhelpers import data
 

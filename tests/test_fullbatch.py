@@ -14,6 +14,7 @@ def data():
     return ah.data.mnist1d()
 
 
+@pytest.mark.slow
 def test_fast_path_follows_the_naive_trajectory(data):
     m = ah.models.udl_mlp(4, seed=0)
     naive = ah.fullbatch.naive_fullbatch(ah.fullbatch.clone(m), data, 150)
@@ -25,6 +26,7 @@ def test_fast_path_follows_the_naive_trajectory(data):
     np.testing.assert_allclose(fast.test_err, naive.test_err, atol=0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(dataloader=True, host_sync=True, fused=False), dict(host_sync=True)])
 def test_every_ablation_switch_gives_the_same_losses(data, kw):
     m = ah.models.udl_mlp(2, seed=1)
@@ -33,6 +35,7 @@ def test_every_ablation_switch_gives_the_same_losses(data, kw):
     np.testing.assert_allclose(other.loss, ref.loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_eager(data):
     m = ah.models.udl_mlp(1, seed=2)
     ref = ah.fullbatch.FullBatchLoop(ah.fullbatch.clone(m), data).run(20)
@@ -40,6 +43,7 @@ def test_compiled_step_matches_eager(data):
     np.testing.assert_allclose(comp.loss, ref.loss, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_place(data):
     m = ah.models.udl_mlp(4, seed=3)
     naive_model = ah.fullbatch.clone(m)
@@ -54,6 +58,7 @@ def test_fullgraph_step_follows_the_naive_trajectory_and_trains_the_model_in_pla
     assert padded[0].weight[63:].abs().max() == 0
 
 
+@pytest.mark.slow
 def test_udlbooks_loop_takes_the_training_error_from_the_steps_own_forward_pass(data):
     m = ah.models.udl_mlp(3, seed=4)
     udl = ah.fullbatch.udlbook_loop(ah.fullbatch.clone(m), data, 60)
@@ -66,6 +71,7 @@ def test_udlbooks_loop_takes_the_training_error_from_the_steps_own_forward_pass(
         ah.fullbatch.udlbook_loop(m, data, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_fullgraph_test_every_k_changes_only_when_the_test_error_is_measured(data, compile):
     m = ah.fullbatch.pad_mlp(ah.models.udl_mlp(4, seed=6))
@@ -85,6 +91,7 @@ def test_fullgraph_loop_refuses_a_model_it_cannot_write_as_one_function(data):
         ah.fullbatch.FullGraphLoop(tanh_mlp, data)
 
 
+@pytest.mark.slow
 def test_graph_breaks_counts_what_dynamo_makes_of_each_step_and_trains_nothing(data):
     usual = ah.fullbatch.FullBatchLoop(ah.fullbatch.pad_mlp(ah.models.udl_mlp(2, seed=5)), data)
     before = [p.detach().clone() for p in usual.model.parameters()]
@@ -107,6 +114,7 @@ def test_many_mlp_matches_vmap_over_the_individual_models(data):
     torch.testing.assert_close(many(data.x_test), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_many_models_train_exactly_as_each_alone(data):
     models = [ah.models.udl_mlp(4, seed=i) for i in range(3)]
     together = ah.fullbatch.ManyModelsLoop([ah.fullbatch.clone(m) for m in models], data).run(40)
@@ -116,6 +124,7 @@ def test_many_models_train_exactly_as_each_alone(data):
         np.testing.assert_allclose(together.loss[i], alone.loss, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fastai_learner_runs_the_same_workload(data):
     learn = ah.fullbatch.fastai_learner(ah.models.udl_mlp(4, seed=0), data)
     assert learn.dls.train.bs == 4000
@@ -136,6 +145,7 @@ def test_bad_input(data):
         ah.fullbatch.FullBatchLoop(ah.models.udl_mlp(1), bad)
 
 
+@pytest.mark.slow
 def test_padding_to_the_vector_width_changes_nothing_but_speed(data):
     m = ah.models.udl_mlp(4, seed=5)
     p = ah.fullbatch.pad_mlp(m)
@@ -151,6 +161,7 @@ def test_padding_to_the_vector_width_changes_nothing_but_speed(data):
         ah.fullbatch.pad_mlp(torch.nn.Sequential(torch.nn.ReLU()))
 
 
+@pytest.mark.slow
 def test_bench_runs_every_variant_and_writes_the_schema(tmp_path, cli_here):
     import json
     import subprocess
@@ -188,6 +199,7 @@ def test_bench_runs_every_variant_and_writes_the_schema(tmp_path, cli_here):
         assert bad.returncode == 2 and msg in bad.stderr
 
 
+@pytest.mark.slow
 def test_ablation_rows_are_medians_with_enough_steps_and_ratios_per_round(data):
     res = ah.fullbatch.run_fullbatch(data, n_models=2, compile=False, rounds=3, round_s=0.001, min_steps=3,
                                      peak_gflops=100.0, progress=False)

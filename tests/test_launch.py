@@ -70,6 +70,7 @@ def test_gloo_pieces_interleaved_by_two_ranks_are_not_echoed_either():
         "[Gloo] something else\n", "7\n"]  # a number a few lines away from the pieces is left alone
 
 
+@pytest.mark.slow
 def test_a_deadline_kills_the_whole_group_even_a_silent_child():
     with pytest.raises(TimeoutError, match="ran past 1"):
         launch.launch([sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"], 1, echo=False)

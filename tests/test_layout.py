@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from tests import nbexport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,6 +147,7 @@ def test_accelhelpers_has_no_import_circle():
     assert circles == [], "import circles: " + "; ".join(circles)
 
 
+@pytest.mark.slow
 def test_no_notebook_and_no_module_below_the_commands_uses_them():
     found = {}
     for name, path in module_names(PACKAGE).items():
@@ -202,3 +205,59 @@ def test_the_commands_check_finds_each_way_of_reaching_them():
     good = ["import accelhelpers as ah\nah.udlbook.recorded()\nprint('the course commands')",
             "from .results import repo_root", "import accelhelpers as ah\nah.session.setup('02')"]
     assert [commands_references(s, "accelhelpers.udlbook") for s in good] == [[], [], []]
+
+
+def test_every_object_has_one_name_under_ah():
+    """`ah.<module>.<name>` is the only way a notebook reaches the package, so a function or class defined in one module
+    and reachable as a public name of another is a second name for one object (an alias the reader must learn is the
+    same thing). A module that uses another's definition imports the module, or the name with a leading underscore."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import accelhelpers as ah
+
+    aliases = []
+    for info in pkgutil.iter_modules(ah.__path__):
+        if info.ispkg or info.name.startswith("_"):
+            continue  # the commands sub-package is the CLI's, not reached as ah.<module>
+        module = importlib.import_module(f"accelhelpers.{info.name}")
+        for name, obj in vars(module).items():
+            home = getattr(obj, "__module__", "") or ""
+            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)) \
+                    and home.startswith("accelhelpers.") and home != module.__name__:
+                aliases.append(f"ah.{info.name}.{name} is {home.replace('accelhelpers', 'ah')}.{obj.__qualname__}")
+    assert not aliases, "second names: " + "; ".join(aliases)
+
+
+def test_the_package_docstring_draws_the_real_import_order():
+    """accelhelpers/__init__.py's table: every module on its line, with the chapter it is exported from and exactly
+    the package modules it imports, each of them on an earlier line; a `*` on exactly the imports that reach a later
+    chapter's module from the floor or from an earlier chapter."""
+    import accelhelpers
+
+    rows = {}
+    for line in accelhelpers.__doc__.split("    module     chapter  imports\n", 1)[1].splitlines():
+        if not line.startswith("    ") or not line.strip():
+            break
+        name, chapter, *rest = line.split(maxsplit=2)
+        imports = rest[0].split("  (")[0] if rest else ""
+        rows[name] = (chapter, [i.strip() for i in imports.split(",") if i.strip()])
+    graph = import_graph(PACKAGE)
+    exported = {m: p.name[:2] for p in nbexport.chapters() for m in re.findall(r"#\| default_exp (\w+)", p.read_text())}
+    real = {k.removeprefix("accelhelpers."): {v.removeprefix("accelhelpers.") for v in vs
+                                              if v.startswith("accelhelpers.") and ".commands" not in v}
+            for k, vs in graph.items() if k.startswith("accelhelpers.") and ".commands" not in k
+            and k != "accelhelpers.__main__"}
+    assert set(rows) == set(real), f"modules drawn {sorted(rows)} but the package has {sorted(real)}"
+    order = list(rows)
+    for name, (chapter, imports) in rows.items():
+        where = exported.get(name, "floor")
+        assert chapter == where, f"{name} is drawn as {chapter}, exported from {where}"
+        plain = {i.rstrip("*") for i in imports}
+        assert plain == real[name], f"{name} is drawn importing {sorted(plain)}, imports {sorted(real[name])}"
+        for imp in imports:
+            dep = imp.rstrip("*")
+            assert order.index(dep) < order.index(name), f"{name} imports {dep}, drawn below it"
+            later = dep in exported and (chapter == "floor" or exported[dep] > chapter)
+            assert imp.endswith("*") == later, f"{name} -> {dep}: a * marks exactly a use of a later chapter"

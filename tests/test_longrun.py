@@ -33,7 +33,7 @@ def same(a, b) -> bool:
     return ah.longrun.digest(a) == ah.longrun.digest(b)
 
 
-def straight(steps: int = 20) -> ah.longrun.Run:
+def straight(steps: int = 20) -> ah.longrun.RunState:
     """An uninterrupted run of `steps` steps."""
     return ah.longrun.train(ah.longrun.make_run(total_steps=steps), steps)
 
@@ -59,6 +59,7 @@ def test_training_in_pieces_equals_training_at_once():
     assert same(run.model.state_dict(), straight().model.state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leave_out", ah.longrun.LEAVE_OUT)
 def test_every_state_left_out_of_a_resume_changes_the_result(tmp_path, leave_out):
     ah.longrun.save(ah.longrun.train(ah.longrun.make_run(total_steps=20), 11), tmp_path / "c.pt")
@@ -92,6 +93,7 @@ def test_weights_of_a_run_and_of_its_checkpoint_agree_and_exit_reason_reads_stat
 
 # --- the chapter's scripts in fresh processes ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_save_killed_half_way_loses_everything_with_torch_save_and_nothing_atomically(tmp_path, workers):
     procs = {way: jobs.start(workers["kill_mid_save.py"], tmp_path / way, "--way", way)
              for way in ("torch.save", "atomic")}
@@ -103,6 +105,7 @@ def test_a_save_killed_half_way_loses_everything_with_torch_save_and_nothing_ato
     assert len(list((tmp_path / "atomic").glob(".model.pt.*.tmp"))) == 1
 
 
+@pytest.mark.slow
 def test_a_run_killed_between_checkpoints_resumes_bit_identical_in_a_new_process(tmp_path, workers):
     args = ("--steps", 24, "--every", 8)
     procs = [jobs.start(workers["train.py"], tmp_path / "ref", *args),
@@ -116,6 +119,7 @@ def test_a_run_killed_between_checkpoints_resumes_bit_identical_in_a_new_process
     assert all(same(a[k], b[k]) for k in ("model", "optimizer", "scheduler"))
 
 
+@pytest.mark.slow
 def test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout(tmp_path, workers):
     endless = ("--steps", 10**6, "--every", 10**6)
     proc = jobs.start(workers["train.py"], tmp_path, *endless)
@@ -131,6 +135,7 @@ def test_finish_and_wait_for_kill_a_worker_that_outlives_its_timeout(tmp_path, w
         ah.longrun.wait_for(proc, "READY", timeout=180)
 
 
+@pytest.mark.slow
 def test_wait_for_times_out_when_the_group_has_gone_before_the_kill():
     code = "import subprocess; subprocess.Popen(['sleep', '3'], start_new_session=True)"  # keeps the output open
     proc = ah.launch.start([sys.executable, "-c", code])
@@ -155,6 +160,7 @@ def torchrun_jobs(tmp_path_factory, workers):
     started.kill()
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_it_resumes_from_the_last_checkpoint(torchrun_jobs):
     d = torchrun_jobs.folder
     for name in ("ref", "crashed"):
@@ -169,6 +175,7 @@ def test_torchrun_restarts_a_killed_worker_and_it_resumes_from_the_last_checkpoi
     assert all(same(a[k], b[k]) for k in ("model", "optimizer", "scheduler"))
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_is_restarted_and_resumes_from_the_last_checkpoint(torchrun_jobs):
     """The restarted job lost no step beyond its last checkpoint, and kept only the newest two (keep=2)."""
     d = torchrun_jobs.folder
@@ -182,6 +189,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_from_the_last_checkpoi
     assert "[rank0] 2 ranks, backend" in out
 
 
+@pytest.mark.slow
 def test_fsdp2_shards_saved_by_two_ranks_load_into_one_process(torchrun_jobs):
     import torch.distributed.checkpoint as dcp
 

@@ -47,6 +47,7 @@ def phases(job):
             for p in ("agreed", "local"))
 
 
+@pytest.mark.slow
 def test_ddp_all_ranks_stop_together_when_only_one_sees_a_nan(nan_job):
     code, out = nan_job.result("nan")
     agreed, _ = phases(nan_job)
@@ -55,6 +56,7 @@ def test_ddp_all_ranks_stop_together_when_only_one_sees_a_nan(nan_job):
     assert all(r["seconds"] < 3 for r in agreed)  # at once, not after the timeout
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_stops_both_when_agreed_and_strands_the_other_when_local(nan_job):
     code, out = nan_job.result("nan")
     assert code != 0, out[-3000:]  # the local phase ends with rank 0's timeout and rank 1's failed final barrier

@@ -29,6 +29,7 @@ def test_oom_kind_classifies_fabricated_and_real_errors():
     assert ah.longrun.oom_kind(ValueError("CUDA out of memory")) == "cuda"  # by message, whatever the type
 
 
+@pytest.mark.slow
 def test_batch_backoff_frees_the_failed_step_and_halves_until_it_fits():
     tried, freed = [], []
     held: list = []
@@ -98,6 +99,7 @@ def test_free_memory_collects_garbage_cycles():
     assert ref() is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
 def test_a_real_cpu_oom_under_a_memory_limit_is_backed_off_both_ways(tmp_path):
     script = jobs.workers(tmp_path / "workers")["oom.py"]

@@ -54,6 +54,7 @@ def test_max_param_gap_needs_identical_models(digits):
         ah.optim.max_param_gap(lambda: _model(next(seeds)), ours_sgd, ours_sgd, batches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,ours,ref", [
     ("sgd", lambda p: ah.optim.sgd(p, 0.1), lambda p: torch.optim.SGD(p, 0.1)),
     ("momentum+l2", lambda p: ah.optim.sgd(p, 0.05, mom=0.9, wd=1e-3),

@@ -35,7 +35,7 @@ def scripts(tmp_path_factory) -> dict[str, Path]:
     return write_workers("06", tmp_path_factory.mktemp("workers06"))
 
 
-def torchrun(script: Path, *args: object, nproc: int = 2) -> launch.Run:
+def torchrun(script: Path, *args: object, nproc: int = 2) -> launch.Completed:
     """The chapter's launch: `script` on `nproc` ranks, the GPUs hidden unless each rank can have one."""
     return launch.launch(launch.torchrun_cmd(script, *args, nproc=nproc), TIMEOUT, echo=False,
                          env=parallel.rank_env(nproc))
@@ -110,6 +110,7 @@ def test_the_chapter_writes_every_worker_script(scripts):
         compile(path.read_text(), str(path), "exec")  # each is a whole, valid script
 
 
+@pytest.mark.slow
 def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(jobs):
     d, results = jobs
     run = _ok(results, "eq")
@@ -122,6 +123,7 @@ def test_two_ranks_of_batch_b_equal_one_process_of_batch_2b(jobs):
     assert metrics.max_abs_diff(ddp, parallel.reference(6, 8, world=1)) > 1e-3
 
 
+@pytest.mark.slow
 def test_setup_rank_picks_gloo_on_the_cpu_here_and_announces_it(jobs):
     _, results = jobs
     run = _ok(results, "eq")
@@ -133,6 +135,7 @@ def test_setup_rank_picks_gloo_on_the_cpu_here_and_announces_it(jobs):
     assert run.output.count("ranks, backend") == 1  # rank 0 alone announces
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_rendezvous_on_localhost_and_train_together(jobs):
     d, results = jobs
     runs = _ok(results, "two")
@@ -143,6 +146,7 @@ def test_two_torchrun_nodes_rendezvous_on_localhost_and_train_together(jobs):
     assert metrics.max_abs_diff(two, parallel.reference(6, 8, world=2)) < 1e-5
 
 
+@pytest.mark.slow
 def test_ddp_training_checkpoints_reloads_and_times_every_way(jobs):
     d, results = jobs
     run = _ok(results, "ddp")
@@ -164,6 +168,7 @@ def test_ddp_training_checkpoints_reloads_and_times_every_way(jobs):
     assert ("speedup_all_cores" in s) == cpu and s["sync_share"]["median"] < 1
 
 
+@pytest.mark.slow
 def test_fastai_path_trains_on_two_cpu_processes_with_the_patch(jobs):
     d, results = jobs
     run = _ok(results, "fastai")
@@ -176,6 +181,7 @@ def test_fastai_path_trains_on_two_cpu_processes_with_the_patch(jobs):
         assert res["setup_distrib"].startswith(("RuntimeError", "AssertionError"))  # torch.cuda.set_device, CPU rank
 
 
+@pytest.mark.slow
 def test_fsdp_amp_unused_parameters_allreduce_and_pipeline_on_two_ranks(jobs):
     d, results = jobs
     runs = _ok(results, "techniques")
@@ -205,6 +211,7 @@ def test_fsdp_amp_unused_parameters_allreduce_and_pipeline_on_two_ranks(jobs):
     assert all(0 <= r[m]["idle"] < 1 for r in pipe for m in r)
 
 
+@pytest.mark.slow
 def test_accelerate_notebook_and_debug_launchers_use_two_cpu_processes(jobs):
     d, results = jobs
     run = _ok(results, "accelerate")
@@ -214,6 +221,7 @@ def test_accelerate_notebook_and_debug_launchers_use_two_cpu_processes(jobs):
         assert run.output.count(f"[{tag}] 2 processes") == 1  # the first process reports, once
 
 
+@pytest.mark.slow
 def test_pipeline_refuses_other_than_two_ranks(scripts, tmp_path):
     with pytest.raises(RuntimeError, match="launch it on 2 ranks, not 1"):
         torchrun(scripts["pipeline_bubble.py"], tmp_path, nproc=1)
@@ -248,7 +256,7 @@ def test_allreduce_gradients_averages_and_needs_a_group(group1):
     model(torch.ones(2, 3)).sum().backward()
     with pytest.raises(RuntimeError, match="no process group"):
         parallel.allreduce_gradients(model)
-    ah.faults.init_distributed("gloo", 30)
+    ah.longrun.init_distributed("gloo", 30)
     before = model.weight.grad.clone()
     parallel.allreduce_gradients(model)
     assert torch.equal(model.weight.grad, before)  # world size 1: the average is the gradient itself
@@ -269,7 +277,7 @@ def test_equivalence_script_at_world_1_matches_reference(group1, scripts, monkey
 
 
 def test_mnist1d_loader_splits_the_data_between_ranks(group1, worker):
-    ah.faults.init_distributed("gloo", 30)
+    ah.longrun.init_distributed("gloo", 30)
     loader, data = worker("ddp_train").mnist1d_loader(batch=50)
     loader.sampler.set_epoch(0)
     first = list(loader.sampler)
@@ -279,7 +287,7 @@ def test_mnist1d_loader_splits_the_data_between_ranks(group1, worker):
 
 
 def test_interleaved_timing_runs_alone_functions_on_rank_0_with_their_threads(group1, worker):
-    ah.faults.init_distributed("gloo", 30)
+    ah.longrun.init_distributed("gloo", 30)
     common = worker("ddp_common")
     seen = []
     times = common.interleaved({"a": lambda: seen.append(("a", torch.get_num_threads())),
@@ -291,7 +299,7 @@ def test_interleaved_timing_runs_alone_functions_on_rank_0_with_their_threads(gr
 
 
 def test_fsdp_vs_ddp_shards_nothing_at_world_1_and_matches_ddp(group1, worker):
-    ah.faults.init_distributed("gloo", 30)
+    ah.longrun.init_distributed("gloo", 30)
     res = worker("fsdp").fsdp_vs_ddp(16, torch.device("cpu"))
     full = metrics.param_bytes(ah.models.mlp([16, 16, 16, 1]))
     assert res["ddp"]["param_bytes"] == res["fsdp"]["param_bytes"] == full == 4 * (2 * 16 * 16 + 16 + 16 + 16 + 1)
@@ -306,7 +314,7 @@ def test_fastai_broadcast_fails_on_cpu_unpatched_and_works_patched(group1):
         if not torch.cuda.is_available():
             with pytest.raises((RuntimeError, AssertionError), match="NVIDIA|CUDA|Torch not compiled"):
                 original(None, [3, 1, 2], 0)
-        ah.faults.init_distributed("gloo", 30)
+        ah.longrun.init_distributed("gloo", 30)
         assert parallel.patch_fastai_for_cpu() is True and parallel.patch_fastai_for_cpu() is False
         assert fd.DistributedDL._broadcast(None, [3, 1, 2], 0) == [3, 1, 2]
     finally:
@@ -446,7 +454,7 @@ def test_no_gpu_means_cpu_ranks_and_nothing_hidden(monkeypatch):
 def fake_group(monkeypatch):
     """setup_rank's choice without a process group: init_distributed records the backend it is asked for."""
     asked = []
-    monkeypatch.setattr(ah.faults, "init_distributed", lambda backend, timeout_s: asked.append(backend) or (0, 2))
+    monkeypatch.setattr(ah.longrun, "init_distributed", lambda backend, timeout_s: asked.append(backend) or (0, 2))
     monkeypatch.delenv("ACCEL_DEVICE", raising=False)
     for k, v in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)

@@ -25,6 +25,7 @@ def peer_jobs(tmp_path_factory):
     started.kill()
 
 
+@pytest.mark.slow
 def test_a_dead_or_stuck_peer_is_a_clear_error_within_the_timeout_not_a_hang(peer_jobs):
     started, t0 = peer_jobs
     d = started.folder

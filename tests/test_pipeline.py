@@ -273,11 +273,13 @@ class _OomAbove(nn.Module):
         return self.lin(x)
 
 
+@pytest.mark.slow
 def test_memory_fits_backs_off_on_out_of_memory():
     fits = ah.pipeline.memory_fits(_OomAbove(77), torch.rand(1, 4), budget_bytes=2**40)
     assert ah.pipeline.largest_batch(fits) == 77
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("error, message", [(RuntimeError, "MPS backend out of memory: "),
                                             (RuntimeError, "DefaultCPUAllocator: can't allocate memory: "),
                                             (MemoryError, "")])

@@ -186,6 +186,7 @@ print(pol.name, pol.scaler, y.dtype, lin.weight.grad.dtype)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ah.device.xla_installed(), reason="torch_xla not installed")
 def test_xla_policy_really_runs_bf16_on_pjrt_cpu():
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
@@ -300,6 +301,7 @@ def test_matmul_precision_restores_setting():
 
 # ---------------------------------------------------------------- activation checkpointing
 
+@pytest.mark.slow
 def test_checkpointed_keeps_the_gradients_and_holds_fewer_bytes():
     torch.manual_seed(0)
     deep, x, y = ah.models.mlp([8] + [32] * 8 + [4]), torch.randn(16, 8), torch.randint(0, 4, (16,))

@@ -8,6 +8,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 import accelhelpers as ah
 from tests import longrun_jobs as jobs
 
@@ -38,6 +40,7 @@ def test_preemption_outside_the_main_thread_says_so():
     assert len(errors) == 1 and "Preemption must be entered in the main thread" in errors[0]
 
 
+@pytest.mark.slow
 def test_sigterm_is_a_clean_save_with_preemption_and_a_loss_without(tmp_path):
     script = jobs.workers(tmp_path / "workers")["preemptible.py"]
     procs = {pre: jobs.start(script, tmp_path / str(pre), "--steps", 10**6, "--every", 1000,

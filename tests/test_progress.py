@@ -32,11 +32,13 @@ def _train_with_a_bar(disable: bool) -> str:
     return r.stderr
 
 
+@pytest.mark.slow
 def test_a_bar_is_drawn_when_asked_and_tqdm_disable_silences_it():
     assert "depth 1:   0%|" in _train_with_a_bar(disable=False)  # the bar, labelled, before the first epoch
     assert "depth 1" not in _train_with_a_bar(disable=True)
 
 
+@pytest.mark.slow
 def test_a_loop_with_a_bar_trains_exactly_as_one_without():
     data = ah.data.mnist1d()
     m = ah.models.udl_mlp(2, seed=4)

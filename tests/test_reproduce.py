@@ -34,7 +34,7 @@ def _run(out: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedPr
 def _same_run(a: Path, b: Path) -> None:
     """Two completed runs hold the same bits: every weight, every epoch's error, the JSON's results."""
     for d in (1, 2, 3, 4):
-        sa, sb = (ah.checkpoint.read_checkpoint(p / f"ckpt_depth{d}.pt") for p in (a, b))
+        sa, sb = (ah.longrun.read_checkpoint(p / f"ckpt_depth{d}.pt") for p in (a, b))
         assert sa["step"] == sb["step"] == sa["extra"]["settings"]["epochs"]
         assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
         assert torch.equal(sa["extra"]["wrong"], sb["extra"]["wrong"])
@@ -56,6 +56,7 @@ def straight(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.slow
 def test_a_run_writes_the_result_the_figure_and_every_epochs_error(straight):
     out, r = straight
     res = ah.udlbook.load_result(out)
@@ -71,6 +72,7 @@ def test_a_run_writes_the_result_the_figure_and_every_epochs_error(straight):
     assert "depth 1 (298 units): 200 epochs" in r.stdout and "wall time" in r.stdout
 
 
+@pytest.mark.slow
 def test_killed_at_random_points_and_resumed_it_ends_with_the_same_bits(straight, tmp_path):
     out = tmp_path / "run"
     rng = random.Random(0)
@@ -94,6 +96,7 @@ def test_killed_at_random_points_and_resumed_it_ends_with_the_same_bits(straight
     _same_run(straight[0], out)
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_and_says_how_to_resume(straight, tmp_path):
     out = tmp_path / "run"
     p = subprocess.Popen(_cli(out), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -110,6 +113,7 @@ def test_ctrl_c_checkpoints_and_says_how_to_resume(straight, tmp_path):
     _same_run(straight[0], out)
 
 
+@pytest.mark.slow
 def test_refuses_to_overwrite_or_to_mix_settings(straight, tmp_path):
     done = _run(straight[0], "--resume")
     assert done.returncode == 2 and "already holds a completed udlbook-20.2 run" in done.stderr
@@ -134,10 +138,11 @@ def straight_bf16(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.slow
 def test_bf16_runs_in_bf16_and_resumes_to_the_same_bits(straight, straight_bf16, tmp_path):
     res = ah.udlbook.load_result(straight_bf16[0])
     assert res["settings"]["precision"] == "bf16"
-    fp32, bf16 = (ah.checkpoint.read_checkpoint(p[0] / "ckpt_depth4.pt")["model"] for p in (straight, straight_bf16))
+    fp32, bf16 = (ah.longrun.read_checkpoint(p[0] / "ckpt_depth4.pt")["model"] for p in (straight, straight_bf16))
     assert all(t.dtype == torch.float32 for t in bf16.values())  # the weights stay fp32 ...
     assert any(not torch.equal(fp32[k], bf16[k]) for k in fp32)  # ... and the arithmetic was bf16's
     out = tmp_path / "run"
@@ -154,6 +159,7 @@ def test_bf16_runs_in_bf16_and_resumes_to_the_same_bits(straight, straight_bf16,
     _same_run(straight_bf16[0], out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--depths", "5"], "--depths must be among 1,2,3,4"),
     (["--epochs-scale", "0"], "--epochs-scale must be in (0, 1]"),
@@ -203,6 +209,7 @@ def test_load_result_says_what_to_run(tmp_path):
         ah.udlbook.load_result(tmp_path)
 
 
+@pytest.mark.slow
 def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight, tmp_path):
     import shutil
 
@@ -225,6 +232,7 @@ def test_recorded_finds_the_newest_committed_run_and_every_epochs_error(straight
     assert "wall time" in ah.udlbook.describe(result) and "1 process(es) x 1 thread(s)" in ah.udlbook.describe(result)
 
 
+@pytest.mark.slow
 def test_an_in_process_run_gives_ctrl_c_and_kill_back(tmp_path):
     # A run in a notebook's kernel or a test process must not keep its handlers: afterwards Ctrl-C interrupts again.
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
@@ -232,9 +240,10 @@ def test_an_in_process_run_gives_ctrl_c_and_kill_back(tmp_path):
     # depths 1, 3, 4 left untrained
     assert ah.commands.reproduce.run(tmp_path / "run", settings=settings, depths=[2]) is None
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-    assert ah.checkpoint.read_checkpoint(tmp_path / "run" / "ckpt_depth2.pt")["step"] == 10
+    assert ah.longrun.read_checkpoint(tmp_path / "run" / "ckpt_depth2.pt")["step"] == 10
 
 
+@pytest.mark.slow
 def test_describe_names_the_torch_the_run_used_not_this_one(straight):
     result = ah.udlbook.load_result(straight[0])
     result["hardware"] = {**result["hardware"], "torch": "1.0-test"}

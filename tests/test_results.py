@@ -80,7 +80,7 @@ def test_setup_seeds_and_announces(capsys):
 
 
 def test_atomic_write_streams_removes_stale_temporaries_and_keeps_the_old_file_on_error(tmp_path):
-    from accelhelpers.results import atomic_write
+    from accelhelpers.longrun import atomic_write
 
     target = tmp_path / "out.bin"
     stale = tmp_path / ".out.bin.abc123.tmp"

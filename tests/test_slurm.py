@@ -28,6 +28,7 @@ def test_unavailable_says_why_in_one_line(monkeypatch):
     assert reason and "\n" not in reason and "apt-get install slurm-wlm munge" in reason
 
 
+@pytest.mark.slow
 def test_without_slurm_the_chapter_explains_itself_and_runs_to_the_end(tmp_path):
     """Chapter 12 on a machine without Slurm (ACCEL_SLURM=off): one line saying why, every job cell says what it
     would have run, no error."""
@@ -110,6 +111,7 @@ def run(cluster, jobs, script, name, *options, args=(), timeout=180):
     return job, out
 
 
+@pytest.mark.slow
 def test_a_job_runs_every_task_and_its_output_comes_back(cluster, jobs):
     job = cluster.sbatch(jobs / "hello.sbatch", "--chdir", str(jobs))
     info = cluster.wait(job, timeout=60)
@@ -119,6 +121,7 @@ def test_a_job_runs_every_task_and_its_output_comes_back(cluster, jobs):
         "task 0 of 2", "task 1 of 2"]
 
 
+@pytest.mark.slow
 def test_one_and_two_tasks_train_the_same_model(cluster, jobs):
     finals = {}
     for n in (1, 2):
@@ -130,13 +133,14 @@ def test_one_and_two_tasks_train_the_same_model(cluster, jobs):
     assert ah.metrics.max_abs_diff(finals[1], finals[2]) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_requeued_job_resumes_to_the_same_bits(cluster, jobs):
     args = ("--steps", 30, "--every", 5, "--step-s", 0.05)
     job, straight = run(cluster, jobs, "ddp_tasks.sbatch", "straight", args=args)
     assert cluster.wait(job, timeout=180)["JobState"] == "COMPLETED"
     job, out = run(cluster, jobs, "ddp_tasks.sbatch", "requeued", args=args)
     deadline = time.monotonic() + 120
-    while not any(ah.checkpoint.read_checkpoint(p)["step"] >= 10 for p in (out / "ckpt").glob("step_*.pt")):
+    while not any(ah.longrun.read_checkpoint(p)["step"] >= 10 for p in (out / "ckpt").glob("step_*.pt")):
         assert time.monotonic() < deadline, "no checkpoint of step 10 in time"
         time.sleep(0.1)
     assert cluster.requeue(job) > 0  # Slurm had put the requeued job's begin time in the future
@@ -150,6 +154,7 @@ def test_a_requeued_job_resumes_to_the_same_bits(cluster, jobs):
     assert states == ["PENDING", "COMPLETED"]  # one line per attempt in the job history
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_job_with_its_reason(cluster, jobs):
     t0 = time.monotonic()
     job, out = run(cluster, jobs, "ddp_tasks.sbatch", "crash", args=("--steps", 30, "--step-s", 0.05,

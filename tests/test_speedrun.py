@@ -135,6 +135,7 @@ def test_rows_stack_skip_and_refuse_bad_switches():
         sr.Recipe(backend="flash")
 
 
+@pytest.mark.slow
 def test_train_to_an_easy_target_and_not_to_an_impossible_one(lang, data):
     train, val = data
     floor = sr.bayes_loss(lang, val)
@@ -151,6 +152,7 @@ def test_train_to_an_easy_target_and_not_to_an_impossible_one(lang, data):
         sr.Trainer(sr.Recipe(world=2), TINY, sr.Hyper(), train, "cpu")
 
 
+@pytest.mark.slow
 def test_a_new_row_is_measured_and_tabled_without_other_edits(data):
     """The exercise: append a Row; plan, Trainer, warm_up, step_memory, run_to_target and table take it as it is."""
     train, val = data
@@ -178,6 +180,7 @@ def test_a_new_row_is_measured_and_tabled_without_other_edits(data):
     assert sr.says((0.9, 0.8, 1.1)).endswith("no reliable difference")
 
 
+@pytest.mark.slow
 def test_the_chapters_ddp_worker_trains_a_row_on_two_ranks(tmp_path, lang, data):
     """The %%writefile cell of chapter 11, launched as the chapter launches it: two gloo ranks rebuild the data,
     time the row against the row above, and train to the target seed by seed, every rank deciding alike."""
@@ -203,6 +206,7 @@ def test_the_chapters_ddp_worker_trains_a_row_on_two_ranks(tmp_path, lang, data)
     assert [r["seed"] for r in row["runs"]] == [0, 1] and all(r["reached"] for r in row["runs"])
 
 
+@pytest.mark.slow
 def test_the_course_runner_gives_a_chapter_its_own_profile(tmp_path, monkeypatch):
     """The device check runs chapter 11's full profile on a GPU: run(..., parameters={key: {...}}) reaches that
     chapter's parameters cell only, and its status says which profile it ran."""

@@ -105,6 +105,7 @@ def test_fingerprint_follows_the_weights_and_the_calibration_rows(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ torchao
+@pytest.mark.slow
 @_needs("torchao")
 @pytest.mark.parametrize("kind, tol", [("int8_dynamic", 0.15), ("int8_weight_only", 0.1)])
 def test_torchao_int8_stays_close_to_fp32_and_leaves_the_original_alone(kind, tol):
@@ -117,6 +118,7 @@ def test_torchao_int8_stays_close_to_fp32_and_leaves_the_original_alone(kind, to
     assert "Parameter" not in set(toolflows.quantized_layers(q).values())
 
 
+@pytest.mark.slow
 @_needs("torchao")
 def test_torchao_int4_quantizes_only_the_layers_its_cpu_kernel_takes():
     m = _mlp((40, 64, 32, 10))
@@ -151,6 +153,7 @@ def onnx_mlp(tmp_path_factory):
     return m, ah.deploy.export_onnx(m, _x(2), tmp_path_factory.mktemp("onnx") / "mlp.onnx")
 
 
+@pytest.mark.slow
 @_needs("openvino")
 def test_openvino_fp32_equals_onnx_runtime_on_the_same_file_and_inputs(onnx_mlp):
     _, path = onnx_mlp
@@ -161,6 +164,7 @@ def test_openvino_fp32_equals_onnx_runtime_on_the_same_file_and_inputs(onnx_mlp)
     np.testing.assert_allclose(y_ov, y_ort, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @_needs("openvino", "nncf")
 def test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax(onnx_mlp, tmp_path):
     m, path = onnx_mlp
@@ -176,6 +180,7 @@ def test_nncf_int8_runs_int8_kernels_and_keeps_the_argmax(onnx_mlp, tmp_path):
     assert size == (tmp_path / "int8.xml").stat().st_size + (tmp_path / "int8.bin").stat().st_size
 
 
+@pytest.mark.slow
 @_needs("openvino", "nncf")
 def test_nncf_quantize_hands_rich_its_jupyter_setting_back(onnx_mlp):
     import rich
@@ -243,6 +248,7 @@ def test_native_stderr_is_silenced_in_the_block_and_restored_after(capfd):
     assert capfd.readouterr().err == "after\n"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (importlib.util.find_spec("ai_edge_litert") and ah.deploy.have("litert_torch")),
                     reason="needs ai-edge-litert and litert-torch (here or in .venv-edge: make venv-edge)")
 def test_the_chapters_script_converts_to_a_full_integer_model_that_keeps_the_argmax(tmp_path, capfd):
@@ -297,6 +303,7 @@ def test_brevitas_ptq_holds_the_fp32_weights_on_a_power_of_two_grid():
     assert torch.equal(layer.weight, m[0].weight)                        # fp32 weights copied, quantized on the fly
 
 
+@pytest.mark.slow
 @_needs("brevitas", "onnxoptimizer", "qonnx", "hls4ml")
 @pytest.mark.skipif(not ah.deploy.have("g++"), reason="g++ not installed")
 def test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit(tmp_path):

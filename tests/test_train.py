@@ -26,6 +26,7 @@ def _manual_fit(model, data, opt, epochs, bs, seed):
     return model
 
 
+@pytest.mark.slow
 def test_fit_matches_the_loop_written_out_and_records_each_epoch(data):
     a = ah.models.mlp([40, 32, 10])
     b = ah.fullbatch.clone(a)

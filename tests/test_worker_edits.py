@@ -66,6 +66,7 @@ CHAPTERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chapter", sorted(CHAPTERS))
 def test_an_edited_cell_reaches_the_launched_workers(chapter, tmp_path):
     function, launch_mark, skip_marks, after = CHAPTERS[chapter]

@@ -202,6 +202,7 @@ def test_launch_demo_rejects_bad_devices(tmp_path):
         ah.xla.launch_demo(tmp_path / "xla_launch.py", 0)
 
 
+@pytest.mark.slow
 @needs_xla
 def test_launch_demo_one_device_runs(tmp_path):
     """The launch script chapter 07 writes (its %%writefile cell), on one XLA CPU device."""

@@ -12,7 +12,7 @@ worker processes of one thread each (a tiny model with 2 threads slows 10-100x w
 CPU).
 
 Files in --out:
-  ckpt_depth{d}.pt            atomic checkpoint of one depth (checkpoint.save_checkpoint) every few minutes and
+  ckpt_depth{d}.pt            atomic checkpoint of one depth (longrun.save_checkpoint) every few minutes and
                               at the end: weights, step, errors so far, seconds, settings
   progress_depth{d}.json      epochs done, for the --jobs parent's progress bar
   udlbook-20.2.json           the result (schema below), written last: its presence marks a completed run
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import checkpoint, faults, fullbatch, metrics
+from .. import fullbatch, longrun, metrics
 from ..data import Split, mnist1d
 from ..device import Hardware, cpu_requested, hardware_report, machine_line
 from ..models import count_params, udl_mlp, udl_sizes
@@ -120,7 +120,7 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
     path = _ckpt(out, depth)
     if not path.exists():
         return None
-    st = checkpoint.read_checkpoint(path)
+    st = longrun.read_checkpoint(path)
     saved = st["extra"]["settings"]
     mine = {"epochs": (settings.epochs(depth), "--epochs-scale"), "test_every": (settings.test_every, "--test-every"),
             "compile": (settings.compile, "--no-compile"), "threads": (settings.threads, "--threads"),
@@ -134,7 +134,7 @@ def _state(out: Path, depth: int, settings: Settings) -> dict[str, Any] | None:
     return st
 
 
-def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: faults.Preemption, bar: Any,
+def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: longrun.Preemption, bar: Any,
                 checkpoint_s: float) -> dict[str, Any]:
     """Train (or resume) one depth to its full length, checkpointing every `checkpoint_s` and when `stop` is
     requested (then KeyboardInterrupt); returns its state."""
@@ -160,7 +160,7 @@ def train_depth(depth: int, out: Path, data: Split, settings: Settings, stop: fa
                  "settings": {"epochs": epochs, "test_every": k, "compile": settings.compile,
                               "threads": settings.threads, "depth": depth, "device": data.device.type,
                               "precision": settings.precision}}
-        checkpoint.save_checkpoint(_ckpt(out, depth), model, step=step, extra=extra)
+        longrun.save_checkpoint(_ckpt(out, depth), model, step=step, extra=extra)
         return {"step": step, "model": model.state_dict(), "extra": extra}
 
     t0 = last_save = last_note = time.perf_counter()
@@ -288,7 +288,7 @@ class WorkerFailed(RuntimeError):
 
 
 def _run_jobs(out: Path, depths: list[int], settings: Settings, jobs: int, checkpoint_s: float,
-              stop: faults.Preemption) -> None:
+              stop: longrun.Preemption) -> None:
     """Train the depths in `jobs` worker processes (one thread each) and show one progress bar for all."""
     env = dict(os.environ, TQDM_DISABLE="1", OMP_NUM_THREADS=str(settings.threads or 1))
     procs = [subprocess.Popen(_worker_cmd(out, g, settings, checkpoint_s), env=env)
@@ -330,7 +330,7 @@ def run(out: Path, resume: bool = False, settings: Settings | None = None, depth
     if settings.threads:
         torch.set_num_threads(settings.threads)
     # Ctrl-C and kill (TERM) set a flag that training reads between chunks, so it saves a consistent checkpoint
-    with faults.Preemption((signal.SIGINT, signal.SIGTERM)) as stop:
+    with longrun.Preemption((signal.SIGINT, signal.SIGTERM)) as stop:
         if jobs > 1:
             _run_jobs(out, depths, settings, jobs, checkpoint_s, stop)
         else:
@@ -348,7 +348,7 @@ def run(out: Path, resume: bool = False, settings: Settings | None = None, depth
 
 
 def _train_here(out: Path, depths: list[int], settings: Settings, checkpoint_s: float,
-                stop: faults.Preemption) -> None:
+                stop: longrun.Preemption) -> None:
     """Train `depths` one after another in this process, with one progress bar and ETA for all of them."""
     data = mnist1d(_device())
     locks = [_lock(out, d) for d in depths]

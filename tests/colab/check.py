@@ -6,9 +6,12 @@ For the GPU image and the TPU image (pip-freeze.{gpu,tpu}.txt beside this file) 
    with the repository URL pointed at this checkout's committed HEAD, under Colab's versions as constraints:
    an extra that would replace one of Colab's packages (protobuf, say) makes the install fail;
 3. checks that Colab's torch and protobuf are still the ones installed;
-4. runs every chapter top to bottom with the course runner (papermill, quick profile, XLA's CPU device on the
-   TPU image). On the GPU image, which has no torch_xla, chapter 07 must stop at its first XLA cell with
-   advice that exists (a TPU runtime), and every other chapter must pass.
+4. runs every chapter top to bottom with the course runner (papermill, on the CPU; XLA's CPU device on the TPU
+   image). On the GPU image the chapters run their smoke profile: the full profile's shapes, dtypes and code paths,
+   a few steps of each, which is what a learner on a Colab GPU starts (the full profile); the quick profile runs
+   under nbval in `make test`. The TPU image runs the quick profile. On the GPU image, which has no torch_xla,
+   chapter 07 must stop at its first XLA cell with advice that exists (a TPU runtime), and every other chapter must
+   pass.
 
 Colab runs Python 3.13; this runs the machine's Python (3.11 here), so what only 3.13 would show is not caught.
 Usage: python tests/colab/check.py gpu|tpu [--only 01,02] [--jobs 2]
@@ -139,6 +142,9 @@ def check_kept(py: Path, kind: str) -> None:
         print(f"kept Colab's {name} {got}")
 
 
+PROFILE = {"gpu": "smoke", "tpu": "quick"}  # the profile each image's chapters run
+
+
 def run_chapters(py: Path, kind: str, only: str | None, jobs: int = 2) -> int:
     """Run the chapters with the installed course's runner, in `jobs` runners at once (each its own share of the
     chapters and its own folder; what they measure is not compared here, only that each chapter runs), longest
@@ -154,8 +160,8 @@ def run_chapters(py: Path, kind: str, only: str | None, jobs: int = 2) -> int:
     shares = [keys[i::jobs] for i in range(jobs) if keys[i::jobs]]
     procs = []
     for i, share in enumerate(shares):
-        cmd = [str(py), "-m", "accelhelpers", "course", "run", "--profile", "quick", "--out", str(out / f"runner{i}"),
-               "--no-report", "--only", ",".join(share)]
+        cmd = [str(py), "-m", "accelhelpers", "course", "run", "--profile", PROFILE[kind],
+               "--out", str(out / f"runner{i}"), "--no-report", "--only", ",".join(share)]
         print("+", " ".join(cmd), flush=True)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT))
@@ -173,7 +179,8 @@ def run_chapters(py: Path, kind: str, only: str | None, jobs: int = 2) -> int:
             ok = st["ok"]
         if not ok:
             failures.append(f"{key}: {st['error']}")
-    print(f"colab-{kind}: {len(chapters) - len(failures)} of {len(chapters)} chapters as expected "
+    print(f"colab-{kind} ({PROFILE[kind]} profile): {len(chapters) - len(failures)} of {len(chapters)} chapters "
+          f"as expected "
           f"({sum(s['seconds'] for s in chapters.values()):.0f} s)")
     for f in failures:
         print("FAILED", f, file=sys.stderr)
