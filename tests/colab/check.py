@@ -43,6 +43,10 @@ sys.path.insert(0, str(HERE.parent))
 from conftest import COST as _FILE_COST  # noqa: E402
 
 COST = {stem[:2]: seconds for stem, seconds in _FILE_COST.items() if stem[:2].isdigit()}
+# Seconds each chapter's smoke profile took, one chapter at a time on the 2-core machine (2026-12-03): the GPU
+# image's runners take them longest first.
+SMOKE_COST = {"01": 40, "02": 169, "03": 55, "04": 70, "05": 107, "06": 133, "07": 96, "08": 92, "09": 92,
+              "10": 113, "11": 250, "12": 74}
 
 
 def colab_pins(kind: str) -> dict[str, str]:
@@ -156,7 +160,8 @@ def run_chapters(py: Path, kind: str, only: str | None, jobs: int = 2) -> int:
            "PYTHONPATH": ""}  # the installed course, not the checkout's folder
     keys = [k.strip().zfill(2) for k in only.split(",")] if only else \
         sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    keys.sort(key=lambda k: -COST.get(k, 0))
+    cost = SMOKE_COST if PROFILE[kind] == "smoke" else COST
+    keys.sort(key=lambda k: -cost.get(k, 0))
     shares = [keys[i::jobs] for i in range(jobs) if keys[i::jobs]]
     procs = []
     for i, share in enumerate(shares):
