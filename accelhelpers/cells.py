@@ -94,7 +94,7 @@ def apply(path: str | Path) -> list[str]:
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
             try:
                 exec(compile(source, filename, "exec"), mod.__dict__)
-            except Exception as e:  # noqa: BLE001 - the kernel went on after it too
+            except Exception as e:
                 print(f"{name}: notebook cell {i + 1} raised {type(e).__name__}: {e} (as it did in the notebook); "
                       f"the other cells still apply", file=sys.stderr)
     return list(cells)

@@ -10,7 +10,7 @@ __all__ = ['ORIGINAL_MODEL_EPOCHS', 'DEPTH', 'LR', 'History', 'check_run', 'udlb
            'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'rounds_of', 'run_fullbatch',
            'table', 'GraphReport', 'graph_breaks']
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #imports-02
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #4b5b57b4
 import copy
 import gc
 import statistics
@@ -69,7 +69,7 @@ def udlbook_loop(model: nn.Module, data: ah.data.Split, epochs: int, lr: float =
         losses.append(loss.detach())
     return History(errors_train, np.full(epochs, np.nan), torch.stack(losses).numpy())
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #naive-eval
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #4722e522
 def naive_fullbatch(model: nn.Module, data: ah.data.Split, epochs: int, lr: float = 0.0025) -> History:
     """udlbook's loop plus what many notebooks add (udlbook does not): a shuffling DataLoader and, every epoch,
     a forward pass over the whole training set and one over the test set, errors copied into NumPy."""
@@ -95,7 +95,7 @@ def naive_fullbatch(model: nn.Module, data: ah.data.Split, epochs: int, lr: floa
         losses[epoch] = loss.item()
     return History(errors_train, errors_test, losses)
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #loop-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #e29440d1
 def compile_options(device: torch.device) -> dict[str, Any]:
     """torch.compile's arguments: CUDA graphs on a GPU; on a CPU, the thread count now in force written into the
     generated code (torch 2.9's inductor cache does not key on it, so a graph compiled at 2 threads would keep
@@ -151,7 +151,7 @@ class FullBatchLoop:
         host = np.array(rows).T if self.host_sync else torch.stack(rows, -1).cpu().numpy()  # one read of the run
         return History(host[1], host[2], host[0])
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #pad-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #459a6311
 def mlp_linears(model: nn.Module, who: str) -> list[nn.Linear]:
     """The Linear layers of a Sequential ReLU MLP (Linear, ReLU, ..., Linear), or a clear error."""
     linears = [m for m in model if isinstance(m, nn.Linear)] if isinstance(model, nn.Sequential) else []
@@ -183,7 +183,7 @@ def clone(model: nn.Module) -> nn.Module:
     """An independent copy (same initial weights) for a fair side-by-side run."""
     return copy.deepcopy(model)
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #fullgraph-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #611a044e
 def mlp_forward_t(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """A ReLU MLP from its (weight, bias) tensors, with the logits laid out [classes, batch]."""
     h = x
@@ -267,7 +267,7 @@ class FullGraphLoop(FullBatchLoop):
         host = torch.stack(rows, 1).cpu().numpy()
         return History(host[1], host[2], host[0])
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #many-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #58d628e4
 class ManyMLP(nn.Module):
     """K independent ReLU MLPs of the same shape evaluated as batched matmuls: weights [K, in, out]."""
 
@@ -310,7 +310,7 @@ class ManyModelsLoop(FullBatchLoop):
         test_err = self._update(losses.sum())  # the models share no weights: one backward serves all K
         return losses.detach(), ah.metrics.error_percent(logits.detach(), y), test_err
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #fastai-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #94a80b5b
 def fastai_learner(model: nn.Module, data: ah.data.Split, lr: float = 0.0025) -> Any:
     """A fastai Learner on the full-batch workload: one batch of the whole set, plain SGD, no momentum."""
     import fastai.callback.progress  # noqa: F401  (adds Learner.no_bar)
@@ -323,7 +323,7 @@ def fastai_learner(model: nn.Module, data: ah.data.Split, lr: float = 0.0025) ->
     dls = DataLoaders.from_dsets(train, valid, bs=len(data.x_train), shuffle=True, device=data.device)
     return Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=partial(SGD, mom=0.0, wd=0.0), lr=lr)
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #bench-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #91a9bbc5
 ORIGINAL_MODEL_EPOCHS = 3 * 200_000 + 500_000  # udlbook: depths 2-4 for 200k epochs, depth 1 for 500k
 DEPTH, LR = 4, 0.0025  # the ablation's workload: udlbook's 4 x 63 MLP at its learning rate
 
@@ -494,7 +494,7 @@ def table(result: dict[str, Any]) -> str:
                  f"{result['workload']['train_flops_per_model_step'] / 1e6:.1f} M")
     return "\n".join(lines)
 
-# %% ../notebooks/02_fullbatch_fast_loop.ipynb #graph-cell
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #567e1944
 @dataclass
 class GraphReport:
     """What torch.compile's tracer (Dynamo) makes of one training step."""

@@ -7,7 +7,7 @@ __all__ = ['allreduce_gradients', 'toy_data', 'toy_model', 'shard', 'sgd_train',
            'rank_device', 'rank_env', 'setup_rank', 'scaling_summary', 'train_mnist1d', 'patch_fastai_for_cpu',
            'bus_bandwidth', 'ring_allreduce_seconds', 'fit_ring_model', 'spawn_hello']
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-imports
+# %% ../notebooks/06_distributed_data_parallel.ipynb #a0b26290
 import os
 import statistics
 from dataclasses import replace
@@ -21,7 +21,7 @@ from torch import nn
 
 import accelhelpers as ah
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-allreduce
+# %% ../notebooks/06_distributed_data_parallel.ipynb #3959b75e
 def allreduce_gradients(model: nn.Module) -> None:
     """Average every gradient across the process group: an all-reduce (sum) divided by the world size, which is
     what DDP does for you, bucketed and overlapped with the backward pass."""
@@ -33,7 +33,7 @@ def allreduce_gradients(model: nn.Module) -> None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad /= world
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-toy
+# %% ../notebooks/06_distributed_data_parallel.ipynb #a7c99229
 def toy_data(steps: int, batch: int, d_in: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded regression batches, shape (steps, batch, d_in) and (steps, batch, 1): the global batches."""
     x = torch.randn(steps, batch, d_in, generator=torch.Generator().manual_seed(0))
@@ -78,7 +78,7 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model state a worker checkpointed (verified, loaded onto the CPU)."""
     return ah.longrun.read_checkpoint(path, map_location="cpu")["model"]
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-setup-rank
+# %% ../notebooks/06_distributed_data_parallel.ipynb #8510a77e
 def rank_placement(hw: ah.device.Hardware, local_rank: int, local_world: int) -> tuple[torch.device, str]:
     """The device and backend of rank `local_rank` of the `local_world` ranks on this node, on hardware `hw`.
 
@@ -120,7 +120,7 @@ def setup_rank(timeout_s: float = 60.0, announce: bool = True) -> tuple[int, int
               f"{'one GPU per rank' if device.type == 'cuda' else 'on the CPU'}\n", end="", flush=True)
     return rank, world, device
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-scaling
+# %% ../notebooks/06_distributed_data_parallel.ipynb #7cf5dc81
 def scaling_summary(result: dict[str, Any], batch: int | None = None) -> dict[str, Any]:
     """The speed-ups and the sync share at per-rank `batch` (default: the training batch) from what ddp_train.py
     wrote: seconds per step of each way, one per interleaved round (the slowest rank's). Per round, N ranks of
@@ -149,7 +149,7 @@ def scaling_summary(result: dict[str, Any], batch: int | None = None) -> dict[st
         out["speedup_all_cores"] = stat([a / s for a, s in zip(t["solo_all"], t["ddp"], strict=True)])
     return out
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-lr
+# %% ../notebooks/06_distributed_data_parallel.ipynb #ca83ec9e
 def train_mnist1d(batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0, width: int = 128,
                   seed: int = 0) -> float:
     """Train an MLP on MNIST-1D (SGD + momentum, in memory, reshuffled each epoch) and return its test accuracy;
@@ -168,7 +168,7 @@ def train_mnist1d(batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0
                      drop_last=True)
         return ah.metrics.model_accuracy(model, data.x_test, data.y_test)
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-fastai
+# %% ../notebooks/06_distributed_data_parallel.ipynb #8cdca659
 def _broadcast_any_backend(self: Any, t: list[int], rank: int) -> list[int]:
     """fastai's DistributedDL._broadcast with the tensor on the backend's device (cuda for nccl, cpu for gloo)."""
     backend = dist.get_backend()
@@ -189,7 +189,7 @@ def patch_fastai_for_cpu() -> bool:
     DistributedDL._broadcast = _broadcast_any_backend
     return True
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-ring
+# %% ../notebooks/06_distributed_data_parallel.ipynb #245d3237
 def bus_bandwidth(nbytes: float, seconds: float, world: int) -> tuple[float, float]:
     """(algorithm, bus) bandwidth in bytes/s of an all-reduce, as nccl-tests define them: algbw = bytes / time;
     busbw = algbw * 2(N-1)/N, the bytes each link carries in a ring, comparable with the link's speed."""
@@ -219,7 +219,7 @@ def fit_ring_model(nbytes: list[float], seconds: list[float], world: int) -> tup
         raise ValueError("the times do not grow with the message size: no bandwidth to fit")
     return latency, 1 / inv_bw
 
-# %% ../notebooks/06_distributed_data_parallel.ipynb #parallel-spawn
+# %% ../notebooks/06_distributed_data_parallel.ipynb #1cdab77a
 def spawn_hello(rank: int, world: int) -> None:
     """A function mp.spawn can start: it lives in an importable module, so the children can unpickle it."""
     print(f"spawned process {rank} of {world}: found accelhelpers.parallel.spawn_hello", flush=True)

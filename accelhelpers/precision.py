@@ -7,7 +7,7 @@ __all__ = ['FORMATS', 'PREFERENCES', 'ieee_facts', 'format_facts', 'format_table
            'gradients', 'cast_report', 'Policy', 'auto_choice', 'policy_for', 'minibatch_step', 'scaler_trace',
            'op_dtypes', 'to_mixed', 'checkpointed', 'matmul_precision']
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04007
+# %% ../notebooks/04_mixed_precision.ipynb #797fa882
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import accelhelpers as ah
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04010
+# %% ../notebooks/04_mixed_precision.ipynb #10c93333
 # name -> (torch dtype or None, exponent bits, mantissa bits, storage bits)
 FORMATS: dict[str, tuple[torch.dtype | None, int, int, int]] = {
     "fp32": (torch.float32, 8, 23, 32),
@@ -40,7 +40,7 @@ def ieee_facts(exp_bits: int, man_bits: int) -> dict[str, float]:
     return {"max": (2 - 2.0**-man_bits) * 2.0**bias, "smallest_normal": 2.0**emin,
             "smallest_subnormal": 2.0 ** (emin - man_bits), "eps": 2.0**-man_bits}
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04012
+# %% ../notebooks/04_mixed_precision.ipynb #ada45781
 def format_facts(name: str) -> dict[str, Any]:
     """Bits, range and precision of one format: from `torch.finfo` when torch has the dtype, else by the formula."""
     if name not in FORMATS:
@@ -59,7 +59,7 @@ def format_table(names: Iterable[str] = FORMATS) -> list[dict[str, Any]]:
     """`format_facts` for several formats (all of FORMATS by default), one row each."""
     return [format_facts(n) for n in names]
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04017
+# %% ../notebooks/04_mixed_precision.ipynb #0c6fdd5c
 def spacing(x: torch.Tensor, name: str) -> torch.Tensor:
     """Gap between |x| and the next larger representable number of format `name` (its resolution at x)."""
     if name not in FORMATS:
@@ -70,7 +70,7 @@ def spacing(x: torch.Tensor, name: str) -> torch.Tensor:
     expo = torch.floor(torch.log2(ax.clamp_min(2.0**emin))).clamp_min(emin)
     return torch.exp2(expo - m)
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04019
+# %% ../notebooks/04_mixed_precision.ipynb #f15ddcee
 def representable(dtype: torch.dtype) -> torch.Tensor:
     """Every finite, non-negative value of an 8- or 16-bit float dtype, sorted (by enumerating its bit patterns)."""
     bits = torch.finfo(dtype).bits if dtype.is_floating_point else 0
@@ -82,7 +82,7 @@ def representable(dtype: torch.dtype) -> torch.Tensor:
     vals = pattern.view(dtype).double()
     return torch.unique(vals[torch.isfinite(vals) & (vals >= 0)])
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04023
+# %% ../notebooks/04_mixed_precision.ipynb #556d4573
 def scaled_backward(loss: torch.Tensor, params: Iterable[torch.Tensor], scale: float) -> bool:
     """Loss scaling by hand: backward of `loss * scale` (small gradients move up, out of fp16's underflow zone), then
     every gradient divided by `scale` again; False when a gradient overflowed to inf/NaN (skip that step)."""
@@ -92,7 +92,7 @@ def scaled_backward(loss: torch.Tensor, params: Iterable[torch.Tensor], scale: f
         g.div_(scale)
     return all(bool(torch.isfinite(g).all()) for g in grads)
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04025
+# %% ../notebooks/04_mixed_precision.ipynb #3ee3b87e
 def gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None,
               scale: float = 1.0) -> dict[str, torch.Tensor]:
     """One cross-entropy backward (under autocast to `dtype` if given, the loss multiplied by `scale`): the flattened
@@ -120,7 +120,7 @@ def gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.d
     params = torch.cat([p.grad.detach().flatten() for p in model.parameters() if p.grad is not None])
     return {"parameters": params, "activations": torch.cat(acts)}
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04027
+# %% ../notebooks/04_mixed_precision.ipynb #328a374c
 def cast_report(values: torch.Tensor, dtype: torch.dtype = torch.float16, scale: float = 1.0) -> dict[str, float]:
     """Shares of the non-zero `values`, multiplied by `scale`, that a cast to `dtype` flushes to zero, leaves
     subnormal (precision lost) or overflows to inf: what happens to gradients stored in that format."""
@@ -136,7 +136,7 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype = torch.float16, scale:
             "subnormal": ((c != 0) & (c.abs() < tiny)).double().mean().item(),
             "overflow": torch.isinf(c).double().mean().item(), "count": v.numel()}
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04038
+# %% ../notebooks/04_mixed_precision.ipynb #df9da05f
 @dataclass(frozen=True)
 class Policy:
     """What mixed precision to use on one device: autocast dtype (None: plain fp32), whether to scale the loss, why."""
@@ -163,7 +163,7 @@ class Policy:
         scaler = " + GradScaler" if self.scaler else ""
         return f"{self.device_type}: {self.name}{scaler} ({self.reason})"
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04040
+# %% ../notebooks/04_mixed_precision.ipynb #0a8ccb87
 PREFERENCES = ("bf16", "fp16", "fp32")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -186,7 +186,7 @@ def auto_choice(hw: ah.device.Hardware) -> tuple[str, str]:
         return "bf16", "CPU lacks AVX512-BF16/AMX: bf16 is emulated and may be slower than fp32 (prefer='fp32')"
     raise ValueError(f"no precision policy for device type {kind!r}: use cuda, xla, mps or cpu")
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04042
+# %% ../notebooks/04_mixed_precision.ipynb #ddfd2624
 def policy_for(device: torch.device | str, prefer: str | None = None,
                hw: ah.device.Hardware | None = None) -> Policy:
     """The mixed-precision policy for `device`: CUDA bf16 from sm 8.0 else fp16 + scaler, CPU bf16, XLA bf16,
@@ -206,7 +206,7 @@ def policy_for(device: torch.device | str, prefer: str | None = None,
         raise ValueError("XLA autocast runs in bf16: use prefer='bf16' or 'fp32' on a TPU")
     return Policy(kind, _DTYPES[name], name == "fp16", reason)
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04046
+# %% ../notebooks/04_mixed_precision.ipynb #b6b3bf49
 def minibatch_step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
                    scaler: Any) -> torch.Tensor:
     """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss).
@@ -223,7 +223,7 @@ def minibatch_step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tenso
     scaler.update()                    # grow or shrink the scale for the next step
     return loss
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04050
+# %% ../notebooks/04_mixed_precision.ipynb #b524d4da
 def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, *, lr: float = 1e-3,
                  init_scale: float = 2.0**24, growth_interval: int = 20) -> list[dict[str, float]]:
     """Train `model` with fp16 autocast and a dynamic `torch.amp.GradScaler`, recording each step's scale, whether
@@ -240,7 +240,7 @@ def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
         trace.append({"step": step, "scale": before, "skipped": scaler.get_scale() < before, "loss": loss.item()})
     return trace
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04055
+# %% ../notebooks/04_mixed_precision.ipynb #2ef5807e
 class _OpLog(ah.internals.TorchDispatchMode):
     """Records each aten op below autocast with its tensor input dtypes and output dtype."""
 
@@ -278,7 +278,7 @@ def op_dtypes(fn: Callable[[], Any]) -> list[tuple[str, tuple[str, ...], str]]:
         fn()
     return log.ops
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04064
+# %% ../notebooks/04_mixed_precision.ipynb #97b6fbd5
 def to_mixed(learn: Any, prefer: str | None = None, **scaler_kwargs: Any) -> Any:
     """Put a fastai Learner in the device's mixed precision (`policy_for(learn.dls.device, prefer)`), replacing
     fastai's `to_fp16()`/`to_bf16()`, which autocast for CUDA only; fp32 removes mixed precision."""
@@ -303,7 +303,7 @@ def to_mixed(learn: Any, prefer: str | None = None, **scaler_kwargs: Any) -> Any
     learn.precision_policy = policy
     return learn
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04080
+# %% ../notebooks/04_mixed_precision.ipynb #0cd8e978
 def checkpointed(model: nn.Sequential, x: torch.Tensor, segments: int | None) -> torch.Tensor:
     """`model(x)`, or with activation checkpointing in `segments` pieces (`checkpoint_sequential`; all but the last
     are recomputed in backward): fewer activations held between forward and backward, a second forward pass paid."""
@@ -311,7 +311,7 @@ def checkpointed(model: nn.Sequential, x: torch.Tensor, segments: int | None) ->
         return model(x)
     return checkpoint_sequential(model, segments, x, use_reentrant=False)
 
-# %% ../notebooks/04_mixed_precision.ipynb #c04092
+# %% ../notebooks/04_mixed_precision.ipynb #a4a1cf79
 def matmul_precision(n: int = 1024, device: torch.device | str = "cpu", rounds: int = 3,
                      min_time: float = 0.05) -> list[dict[str, Any]]:
     """fp32 matmul under each `torch.set_float32_matmul_precision` setting ('high' allows TF32 on Ampere+ GPUs):

@@ -9,7 +9,7 @@ __all__ = ['Language', 'make_language', 'sample', 'fingerprint', 'bayes_loss', '
            'step_memory', 'TargetRun', 'run_to_target', 'RowResult', 'spread', 'mfu', 'speed_ratio', 'paired', 'says',
            'table']
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-imports
+# %% ../notebooks/11_speedrun.ipynb #3fde3c4a
 import hashlib
 import math
 import statistics
@@ -29,7 +29,7 @@ import accelhelpers as ah
 
 _ATTENTION = ("plain", "sdpa")   # the two ways CausalSelfAttention computes attention
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-language
+# %% ../notebooks/11_speedrun.ipynb #d7036e15
 @dataclass(frozen=True)
 class Language:
     """A synthetic language: `topics` Markov chains over `vocab` tokens. A sequence draws one topic, starts from
@@ -95,7 +95,7 @@ def fingerprint(tokens: torch.Tensor) -> str:
     """The first 16 hex digits of the tokens' SHA-256 (as little-endian int64): equal on two machines, equal data."""
     return hashlib.sha256(np.ascontiguousarray(np.asarray(tokens), dtype="<i8").tobytes()).hexdigest()[:16]
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-floor
+# %% ../notebooks/11_speedrun.ipynb #b195bc8a
 def bayes_loss(lang: Language, tokens: torch.Tensor, per_position: bool = False) -> Any:
     """The best possible loss on `tokens`, in nats per predicted token: the exact Bayesian predictor, which knows the
     chains and infers each sequence's topic from the context so far (uniform prior over topics). With
@@ -121,7 +121,7 @@ def previous_token_loss(lang: Language, tokens: torch.Tensor) -> float:
     bigram = np.einsum("kv,kvw->vw", topic_given_token, lang.transitions)
     return float(-np.log(bigram[x[:, :-1], x[:, 1:]]).mean())
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-model
+# %% ../notebooks/11_speedrun.ipynb #ebd57194
 @dataclass(frozen=True)
 class GPTConfig:
     """The shape of a decoder-only transformer (nanoGPT's names)."""
@@ -196,7 +196,7 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-gpt
+# %% ../notebooks/11_speedrun.ipynb #a2c6d9a0
 class GPT(nn.Module):
     """A nanoGPT-sized decoder-only transformer: token and position embeddings, `n_layer` blocks, a final LayerNorm
     and an output layer that shares its weight with the token embedding (weight tying)."""
@@ -243,7 +243,7 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-flops
+# %% ../notebooks/11_speedrun.ipynb #24828190
 def flops_per_token(cfg: GPTConfig, training: bool = True) -> int:
     """Matmul FLOPs per token, counted as nanoGPT's `estimate_mfu` counts them (after PaLM's appendix B): 2 per
     multiply-add of each weight matrix a token passes (q, k, v and the output projection: 4 d² per layer; the MLP:
@@ -255,7 +255,7 @@ def flops_per_token(cfg: GPTConfig, training: bool = True) -> int:
     forward = 2 * (weight_macs + attention_macs)
     return 3 * forward if training else forward
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-rows
+# %% ../notebooks/11_speedrun.ipynb #50b7ab4b
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")   # torch.compile modes that record CUDA graphs
 _BACKENDS = ("flash", "efficient", "cudnn", "math")         # SDPA backends a row can force (CUDA)
 
@@ -364,7 +364,7 @@ def plan(rows: Sequence[Row], hw: ah.device.Hardware, devices: int) -> list[Plan
             out.append(Planned(row, recipe))
     return out
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-trainer
+# %% ../notebooks/11_speedrun.ipynb #8e92e6dc
 @dataclass(frozen=True)
 class Hyper:
     """The baseline's training settings; a row's recipe scales the batch and the learning rate."""
@@ -480,7 +480,7 @@ def sdpa_backend(name: str) -> Any:
     return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-measure
+# %% ../notebooks/11_speedrun.ipynb #2b260bad
 def warm_up(tr: Trainer, steps: int = 3) -> float:
     """Run `steps` steps, then `steps` more, and return how much longer the first ones took: what compiling (and,
     with CUDA graphs, recording) cost this row; about 0 for an eager row."""
@@ -549,7 +549,7 @@ def run_to_target(tr: Trainer, seed: int, val: torch.Tensor, target: float, ever
         if loss <= target or not math.isfinite(loss) or clock >= max_seconds or tr.steps >= max_steps:
             return TargetRun(seed, loss <= target, tr.steps, clock, loss)
 
-# %% ../notebooks/11_speedrun.ipynb #speedrun-table
+# %% ../notebooks/11_speedrun.ipynb #112ddd87
 @dataclass
 class RowResult:
     """Everything measured for one row (or why it did not run)."""

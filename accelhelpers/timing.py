@@ -4,7 +4,7 @@
 __all__ = ['sync', 'time_unsynced', 'Timing', 'benchmark', 'Noise', 'load_average', 'noise_watch', 'interleaved', 'round_ratios',
            'matmul_gflops', 'copy_gbps', 'measure_peaks', 'record_noise', 'mlp_flops', 'hours']
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-imports
+# %% ../notebooks/01_hardware_and_timing.ipynb #bd91c29a
 """Timing done right: the device sync, a benchmark with warm-up, calibration, repeats, the median and the range,
 interleaved comparisons, a check of how quiet the machine was, FLOP counts and measured peaks (chapter 01's cells)."""
 import os
@@ -18,7 +18,7 @@ import torch
 
 import accelhelpers as ah
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-sync
+# %% ../notebooks/01_hardware_and_timing.ipynb #4f62af9f
 def sync(device: torch.device | str) -> None:
     """Wait until every kernel queued on `device` has finished. CUDA, MPS and XLA queue work and return at once;
     CPU ops are synchronous (a call returns when its work is done), so on the CPU there is nothing to wait for."""
@@ -38,7 +38,7 @@ def sync(device: torch.device | str) -> None:
         torch_xla.sync()     # XLA is lazy: cut the recorded graph and launch it...
         xm.wait_device_ops()  # ...then wait for the device to finish it
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-unsynced
+# %% ../notebooks/01_hardware_and_timing.ipynb #785e4e1b
 def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:
     """Seconds per call measured the wrong way, without a device sync: on a GPU this times the launch only."""
     if calls < 1:
@@ -48,7 +48,7 @@ def time_unsynced(fn: Callable[[], object], calls: int = 10) -> float:
         fn()
     return (time.perf_counter() - t0) / calls
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-timing
+# %% ../notebooks/01_hardware_and_timing.ipynb #139671d2
 @dataclass
 class Timing:
     """Seconds per call of each timed repeat, and what a benchmark reports: the median and the range."""
@@ -88,7 +88,7 @@ def _fmt_seconds(s: float) -> str:
             return f"{s / scale:.3g} {unit}"
     return f"{s / 1e-9:.3g} ns"
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-benchmark
+# %% ../notebooks/01_hardware_and_timing.ipynb #1f18c085
 def benchmark(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 3,
               repeats: int = 7, min_time: float = 0.05, max_calls: int = 1_000_000) -> Timing:
     """Time `fn()` properly: warm up, calibrate the calls per repeat to last `min_time`, sync the device before
@@ -117,7 +117,7 @@ def benchmark(fn: Callable[[], object], device: torch.device | str = "cpu", *, w
         times.append((time.perf_counter() - t0) / calls)
     return Timing(times, calls)
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-noise
+# %% ../notebooks/01_hardware_and_timing.ipynb #e93ff785
 @dataclass
 class Noise:
     """How quiet the machine was while a block measured: load average and a reference kernel before and after."""
@@ -167,7 +167,7 @@ def noise_watch() -> Iterator[Noise]:
     yield noise
     noise.load, noise.reference_s = (load0, load_average() or 0.0), (ref0, _reference_kernel())
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-interleaved
+# %% ../notebooks/01_hardware_and_timing.ipynb #9b61e456
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5,
                 min_time: float = 0.05) -> dict[str, Timing]:
     """Time several functions in alternating rounds, so that background load hits all of them alike; a Timing each."""
@@ -195,7 +195,7 @@ def round_ratios(slow: Timing, fast: Timing) -> tuple[float, float, float]:
     ratios = [a / b for a, b in zip(slow.times, fast.times)]
     return statistics.median(ratios), min(ratios), max(ratios)
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-peaks
+# %% ../notebooks/01_hardware_and_timing.ipynb #b6b58491
 def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                   min_time: float = 0.05, repeats: int = 5) -> float:
     """Measured GFLOP/s of an n x n by n x n matmul (2n^3 FLOPs) in its fastest repeat: what the kernel can do."""
@@ -227,7 +227,7 @@ def measure_peaks(device: torch.device | str = "cpu", quick: bool = True) -> dic
             "copy_gbps": copy_gbps(256 * 2**20 if not quick else 64 * 2**20, device),
             "threads": torch.get_num_threads()}
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-record-noise
+# %% ../notebooks/01_hardware_and_timing.ipynb #339cbf66
 def record_noise(*noises: Noise) -> Noise:
     """The noisiest of a chapter's noise checks: print its verdict and record it as the chapter's "noise"."""
     if not noises:
@@ -237,7 +237,7 @@ def record_noise(*noises: Noise) -> Noise:
     ah.results.record("noise", worst.drift, "fraction", worst.verdict())
     return worst
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-flops
+# %% ../notebooks/01_hardware_and_timing.ipynb #dc760782
 def mlp_flops(sizes: Sequence[int], batch: int, *, backward: bool = True) -> int:
     """Multiply-add FLOPs (2 per MAC) of one MLP step over `batch` rows; backward costs 2x forward
     (gradients for inputs and weights), except that the first layer needs no input gradient."""
@@ -247,7 +247,7 @@ def mlp_flops(sizes: Sequence[int], batch: int, *, backward: bool = True) -> int
     forward = 2 * batch * sum(macs)
     return forward + (forward + 2 * batch * sum(macs[1:]) if backward else 0)  # weight + input gradients
 
-# %% ../notebooks/01_hardware_and_timing.ipynb #timing-hours
+# %% ../notebooks/01_hardware_and_timing.ipynb #8be42fb4
 def hours(h: float) -> str:
     """A duration in hours as a short human string: '40 min', '3.2 h', '5.1 days'."""
     return f"{h * 60:.0f} min" if h < 1 else f"{h:.1f} h" if h < 48 else f"{h / 24:.1f} days"

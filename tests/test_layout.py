@@ -261,3 +261,15 @@ def test_the_package_docstring_draws_the_real_import_order():
             assert order.index(dep) < order.index(name), f"{name} imports {dep}, drawn below it"
             later = dep in exported and (chapter == "floor" or exported[dep] > chapter)
             assert imp.endswith("*") == later, f"{name} -> {dep}: a * marks exactly a use of a later chapter"
+
+
+def test_every_cell_id_has_one_style():
+    """Cell ids are 8 hexadecimal digits (what JupyterLab and nbformat write), unique in their notebook: nbdev names
+    each exported cell by its id in the module it writes."""
+    bad = {}
+    for nb in nbexport.chapters():
+        ids = [c.get("id", "") for c in json.loads(nb.read_text())["cells"]]
+        wrong = [i for i in ids if not re.fullmatch(r"[0-9a-f]{8}", i)]
+        if wrong or len(set(ids)) != len(ids):
+            bad[nb.name] = wrong or "repeated ids"
+    assert not bad, f"cell ids of another style, or repeated: {bad}"

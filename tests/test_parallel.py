@@ -82,7 +82,7 @@ def jobs(scripts, tmp_path_factory):
             try:
                 results[name] = fn()
                 return
-            except Exception as e:  # noqa: BLE001  (reported by the test that needs it)
+            except Exception as e:
                 results[name] = e
                 if attempt == 1 and compat_teardown_abort(str(e)):
                     continue  # the known torch 2.14 exit-time abort: one rerun (see conftest.py)
