@@ -24,6 +24,7 @@ which and why: the list is short, and the test fails on any use not named here.
     models     floor
     session    floor    device, results
     slurm      floor    device, launch, results
+    tools      floor    results
     timing     01       results
     precision  04       device, internals, timing
     train      floor    data, metrics, session, timing*, precision*  (sync from 01; the step is 04's minibatch_step)
@@ -33,8 +34,8 @@ which and why: the list is short, and the test fails on any use not named here.
     pipeline   05       internals, longrun*, data, metrics, timing  (the batch-size finder's oom_kind, free_memory)
     parallel   06       device, longrun*, data, metrics, models, session, train  (init_distributed, read_checkpoint)
     xla        07       device, internals, launch
-    deploy     08       results, session, train
-    toolflows  10       launch, longrun, deploy
+    deploy     08       session, train, tools
+    toolflows  10       launch, longrun, deploy, tools
     speedrun   11       device, internals, metrics, timing, precision, pipeline
 """
 

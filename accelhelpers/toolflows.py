@@ -37,7 +37,7 @@ def torchao_config(kind: str, group_size: int = 32) -> Any:
     weight-only (packed for the CPU's int4 kernel, one scale per `group_size` weights)."""
     if kind not in TORCHAO_KINDS:
         raise ValueError(f"unknown torchao kind {kind!r}: choose one of {', '.join(TORCHAO_KINDS)}")
-    ah.deploy.require("torchao")
+    ah.tools.require("torchao")
     try:
         from torchao.quantization import (
             Int4WeightOnlyConfig,
@@ -47,7 +47,7 @@ def torchao_config(kind: str, group_size: int = 32) -> Any:
     except ImportError as e:  # a torchao release built for another torch (0.18 with torch 2.9, say)
         from importlib.metadata import version
 
-        raise ah.deploy.ToolMissing(
+        raise ah.tools.ToolMissing(
             f"torchao {version('torchao')} does not work with torch {torch.__version__} ({e}); install the torchao "
             "release built for your torch (torch 2.9: pip install 'torchao==0.14.1')") from e
 
@@ -83,7 +83,7 @@ def quantized_layers(model: nn.Module) -> dict[str, str]:
 def openvino_compile(model: Any, threads: int = 1, batch: int | None = None) -> Any:
     """Compile an ONNX path or an OpenVINO model for the CPU with `threads` inference threads, in fp32 arithmetic
     (not bf16 or f16 where the CPU has them); `batch` fixes the batch dimension (the plugin then plans once)."""
-    ah.deploy.require("openvino")
+    ah.tools.require("openvino")
     import openvino as ov
 
     core = ov.Core()
@@ -102,7 +102,7 @@ def openvino_run(compiled: Any, x: Any) -> np.ndarray:
 
 def openvino_save(model: Any, path: str | Path) -> int:
     """Save an OpenVINO model as IR (<path>.xml + <path>.bin) and return the bytes of both files."""
-    ah.deploy.require("openvino")
+    ah.tools.require("openvino")
     import openvino as ov
 
     path = Path(path).with_suffix(".xml")
@@ -124,7 +124,7 @@ def nncf_quantize(onnx_path: str | Path, calib_x: Any, batch: int = 64) -> Any:
     """NNCF post-training int8 quantization of the ONNX model read by OpenVINO: activation ranges calibrated on
     `calib_x` in batches of `batch` rows (FakeQuantize nodes the CPU plugin runs as int8 kernels); returns the
     OpenVINO model. NNCF's log lines and its rich progress bar are kept out of the notebook."""
-    ah.deploy.require("openvino", "nncf")
+    ah.tools.require("openvino", "nncf")
     import nncf
     import openvino as ov
     import rich
@@ -146,8 +146,8 @@ def litert_python() -> Path:
     (`make venv-edge`); ToolMissing naming the install line where there is neither."""
     if importlib.util.find_spec("litert_torch") is not None:
         return Path(sys.executable)
-    ah.deploy.require("litert_torch")  # passes only where .venv-edge exists
-    return ah.deploy.edge_python() or Path(sys.executable)
+    ah.tools.require("litert_torch")  # passes only where .venv-edge exists
+    return ah.tools.edge_python() or Path(sys.executable)
 
 
 def fingerprint(model: nn.Module, *arrays: Any) -> str:
@@ -211,7 +211,7 @@ def native_stderr_silenced() -> Iterator[None]:
 
 def litert_interpreter(path: str | Path, threads: int = 1) -> Any:
     """A LiteRT interpreter (ai-edge-litert) for the .tflite at `path`, using `threads` CPU threads."""
-    ah.deploy.require("ai_edge_litert")
+    ah.tools.require("ai_edge_litert")
     from ai_edge_litert.interpreter import Interpreter
 
     interp = Interpreter(model_path=str(path), num_threads=threads)
@@ -247,7 +247,7 @@ def litert_run(interp: Any, x: Any) -> np.ndarray:
 
 def litert_ops(path: str | Path) -> dict[str, list[str]]:
     """Op name -> dtypes of its outputs in a .tflite (shows that the ops between the quantizers are int8)."""
-    ah.deploy.require("ai_edge_litert")
+    ah.tools.require("ai_edge_litert")
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     # without the default XNNPACK delegate, so that the file's own ops are listed
@@ -267,7 +267,7 @@ def brevitas_mlp(sizes: Sequence[int], bits: int) -> nn.Sequential:
     biases int16 at the scale of their accumulator; the logits stay unquantized."""
     if len(sizes) < 2 or bits < 2:
         raise ValueError(f"need at least an input and an output size and bits >= 2, got {list(sizes)} and {bits}")
-    ah.deploy.require("brevitas")
+    ah.tools.require("brevitas")
     import brevitas.nn as qnn
     from brevitas.quant import (
         Int8ActPerTensorFixedPoint,
@@ -329,7 +329,7 @@ def finetune(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr
 # %% ../notebooks/10_deployment_toolflows.ipynb #239568dd
 def export_qonnx(model: nn.Module, example: torch.Tensor, path: str | Path) -> Path:
     """Export a Brevitas model to QONNX (ONNX with `Quant` nodes that carry scale, zero-point and bit width)."""
-    ah.deploy.require("brevitas", "onnxoptimizer")
+    ah.tools.require("brevitas", "onnxoptimizer")
     from brevitas.export import export_qonnx as brevitas_export_qonnx
 
     path = Path(path)
@@ -343,7 +343,7 @@ def export_qonnx(model: nn.Module, example: torch.Tensor, path: str | Path) -> P
 def qonnx_for_hls4ml(path: str | Path) -> Any:
     """Load a QONNX file and apply the clean-ups hls4ml expects (shape inference, constant folding, channels last,
     Gemm -> MatMul); returns qonnx's ModelWrapper."""
-    ah.deploy.require("qonnx")
+    ah.tools.require("qonnx")
     from qonnx.core.modelwrapper import ModelWrapper
     from qonnx.transformation.channels_last import ConvertToChannelsLastAndClean
     from qonnx.transformation.gemm_to_matmul import GemmToMatMul
@@ -359,7 +359,7 @@ def qonnx_for_hls4ml(path: str | Path) -> Any:
 def hls_from_qonnx(model: Any, out_dir: str | Path) -> Any:
     """Convert a cleaned QONNX model to an hls4ml Vitis project (io_parallel) and build its bit-accurate emulation
     with g++; the Quant nodes set each tensor's ap_fixed type, anything they do not cover gets fixed<32,16>."""
-    ah.deploy.require("hls4ml", "qonnx", "g++")
+    ah.tools.require("hls4ml", "qonnx", "g++")
     import hls4ml
 
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # hls4ml narrates the topology

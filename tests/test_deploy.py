@@ -13,9 +13,9 @@ from torch import nn
 
 import accelhelpers as ah
 
-needs_ort = pytest.mark.skipif(not all(ah.deploy.have(t) for t in ("onnx", "onnxscript", "onnxruntime")),
+needs_ort = pytest.mark.skipif(not all(ah.tools.have(t) for t in ("onnx", "onnxscript", "onnxruntime")),
                                reason="onnx/onnxscript/onnxruntime not installed")
-needs_hls = pytest.mark.skipif(not all(ah.deploy.have(t) for t in ("hls4ml", "g++")),
+needs_hls = pytest.mark.skipif(not all(ah.tools.have(t) for t in ("hls4ml", "g++")),
                                reason="hls4ml or g++ not installed")
 
 
@@ -44,16 +44,16 @@ def onnx_path(tmp_path_factory, blobs, trained):
 
 # ------------------------------------------------------------------------------------------- tools
 def test_have_and_require(monkeypatch):
-    assert ah.deploy.have("g++") == (shutil.which("g++") is not None)
+    assert ah.tools.have("g++") == (shutil.which("g++") is not None)
     with pytest.raises(ValueError, match="unknown tool"):
-        ah.deploy.have("vivado")
-    monkeypatch.setattr(ah.deploy.shutil, "which", lambda name: None)
-    monkeypatch.setattr(ah.deploy.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ah.deploy.ToolMissing, match=r"hls4ml, g\+\+ .*pip install hls4ml.*apt-get install g\+\+"):
-        ah.deploy.require("hls4ml", "g++")
-    with pytest.raises(ah.deploy.ToolMissing, match="pip install onnxruntime"):
+        ah.tools.have("vivado")
+    monkeypatch.setattr(ah.tools.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ah.tools.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ah.tools.ToolMissing, match=r"hls4ml, g\+\+ .*pip install hls4ml.*apt-get install g\+\+"):
+        ah.tools.require("hls4ml", "g++")
+    with pytest.raises(ah.tools.ToolMissing, match="pip install onnxruntime"):
         ah.deploy.ort_session("model.onnx")
-    with pytest.raises(ah.deploy.ToolMissing, match="still runs"):
+    with pytest.raises(ah.tools.ToolMissing, match="still runs"):
         ah.deploy.hls_convert(ah.models.mlp([2, 2]), 2, "unused")
 
 

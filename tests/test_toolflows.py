@@ -36,21 +36,21 @@ def _needs(*tools):
 # ------------------------------------------------------------------------------------------ missing tools
 def test_unknown_tool_names_the_known_ones():
     with pytest.raises(ValueError, match="torchao"):
-        ah.deploy.have("tensorflow")
+        ah.tools.have("tensorflow")
 
 
 def test_a_missing_tool_raises_with_its_exact_install_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ah.deploy.ToolMissing, match=r"missing openvino, nncf — openvino: pip install openvino; "
+    with pytest.raises(ah.tools.ToolMissing, match=r"missing openvino, nncf — openvino: pip install openvino; "
                                                      r"nncf: pip install nncf\. The rest of the chapter still runs"):
-        ah.deploy.require("openvino", "nncf")
+        ah.tools.require("openvino", "nncf")
 
 
 def test_litert_torch_missing_points_at_the_separate_environment(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(ah.deploy, "edge_python", lambda root=None: None)
-    assert not ah.deploy.have("litert_torch")
-    with pytest.raises(ah.deploy.ToolMissing, match="make venv-edge"):
+    monkeypatch.setattr(ah.tools, "edge_python", lambda root=None: None)
+    assert not ah.tools.have("litert_torch")
+    with pytest.raises(ah.tools.ToolMissing, match="make venv-edge"):
         toolflows.litert_convert_int8(_mlp(), _x().numpy(), tmp_path / "m.tflite", tmp_path / "litert_convert.py")
 
 
@@ -60,7 +60,7 @@ def test_litert_python_is_this_one_where_litert_torch_imports_else_the_edge_envi
     assert toolflows.litert_python() == Path(sys.executable)
     exe = tmp_path / ".venv-edge" / "bin" / "python"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "litert_torch" else real(name))
-    monkeypatch.setattr(ah.deploy, "edge_python", lambda root=None: exe)
+    monkeypatch.setattr(ah.tools, "edge_python", lambda root=None: exe)
     assert toolflows.litert_python() == exe
 
 
@@ -73,11 +73,11 @@ def test_litert_conversion_refuses_bad_calibration_rows_and_a_missing_script(mon
 
 
 def test_edge_python_is_none_without_the_environment_and_found_with_it(tmp_path):
-    assert ah.deploy.edge_python(tmp_path) is None
+    assert ah.tools.edge_python(tmp_path) is None
     exe = tmp_path / ".venv-edge" / "bin" / "python"
     exe.parent.mkdir(parents=True)
     exe.touch()
-    assert ah.deploy.edge_python(tmp_path) == exe
+    assert ah.tools.edge_python(tmp_path) == exe
 
 
 def test_the_chapters_converter_script_explains_its_usage(tmp_path):
@@ -135,7 +135,7 @@ def test_a_torchao_built_for_another_torch_is_reported_as_missing_with_the_match
     import sys
 
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # what an ImportError at import looks like
-    with pytest.raises(ah.deploy.ToolMissing, match=r"does not work with torch .*torchao==0\.14\.1"):
+    with pytest.raises(ah.tools.ToolMissing, match=r"does not work with torch .*torchao==0\.14\.1"):
         toolflows.torchao_config("int8_dynamic")
 
 
@@ -249,7 +249,7 @@ def test_native_stderr_is_silenced_in_the_block_and_restored_after(capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (importlib.util.find_spec("ai_edge_litert") and ah.deploy.have("litert_torch")),
+@pytest.mark.skipif(not (importlib.util.find_spec("ai_edge_litert") and ah.tools.have("litert_torch")),
                     reason="needs ai-edge-litert and litert-torch (here or in .venv-edge: make venv-edge)")
 def test_the_chapters_script_converts_to_a_full_integer_model_that_keeps_the_argmax(tmp_path, capfd):
     m, x = _mlp(), _x(256, seed=6).numpy()
@@ -305,7 +305,7 @@ def test_brevitas_ptq_holds_the_fp32_weights_on_a_power_of_two_grid():
 
 @pytest.mark.slow
 @_needs("brevitas", "onnxoptimizer", "qonnx", "hls4ml")
-@pytest.mark.skipif(not ah.deploy.have("g++"), reason="g++ not installed")
+@pytest.mark.skipif(not ah.tools.have("g++"), reason="g++ not installed")
 def test_hls4ml_firmware_from_qonnx_equals_the_brevitas_model_bit_for_bit(tmp_path):
     sizes = [40, 8, 10]
     q = toolflows.brevitas_ptq(_mlp(sizes), sizes, 4, _x(256))
