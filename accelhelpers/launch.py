@@ -110,13 +110,19 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _read(proc: subprocess.Popen, deadline: float, echo: bool, stop_on: str | None) -> tuple[list[str], str]:
-    """Lines until the output ends ('eof'), a line holds `stop_on` ('marker') or the deadline passes ('deadline')."""
+def read_lines(proc: subprocess.Popen, deadline: float, echo: bool = False,
+               stop_on: str | None = None) -> tuple[list[str], str]:
+    """A started child's output lines (`deadline`: a `time.monotonic()` time) until its output ends ('eof'), a line
+    holds `stop_on` ('marker': the rest of the output is left unread, for the caller) or the deadline passes
+    ('deadline'); `echo` prints each line as it arrives. The one reader of a child's output against a deadline: `finish`
+    and chapter 09's `wait_for` use it."""
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:  # a thread, so that this reader can keep the deadline
         for line in iter(proc.stdout.readline, ""):
             lines.put(line)
+            if stop_on and stop_on in line:
+                return  # the marker: what follows is the caller's to read
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
@@ -146,7 +152,7 @@ def finish(proc: subprocess.Popen, timeout_s: float = 120.0, echo: bool = True, 
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     t0 = time.monotonic()
-    out, why = _read(proc, t0 + timeout_s, echo, stop_on)
+    out, why = read_lines(proc, t0 + timeout_s, echo, stop_on)
     if why == "eof":
         try:
             proc.wait(timeout=max(t0 + timeout_s - time.monotonic(), 0.01))

@@ -22,7 +22,6 @@ import re
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -425,24 +424,16 @@ class Preemption:
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e032
 def wait_for(proc: subprocess.Popen, text: str, timeout: float = 180) -> None:
-    """Read a started script's output until a line equal to `text` (a cue such as READY); past `timeout` seconds
-    kill its process group and raise TimeoutError; a script that ends without the line raises RuntimeError."""
-    found, done = [], threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            if line.strip() == text:
-                found.append(line)
-                break
-        done.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    """Read a started script's output until a line holding `text` (a cue such as READY), leaving the rest unread;
+    past `timeout` seconds kill its process group and raise TimeoutError; a script that ends without the line raises
+    RuntimeError. The reading itself is the course's one deadline reader, `ah.launch.read_lines`."""
+    _, why = ah.launch.read_lines(proc, time.monotonic() + timeout, stop_on=text)
     args = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
     name = next((Path(a).name for a in args if a.endswith(".py")), Path(args[0]).name)
-    if not done.wait(timeout):
+    if why == "deadline":
         ah.launch.kill(proc)
         raise TimeoutError(f"worker {name} printed no {text} within {timeout} s and was killed")
-    if not found:
+    if why == "eof":
         raise RuntimeError(f"worker {name} ended ({exit_reason(proc.wait())}) without printing {text}")
 
 # %% ../notebooks/09_long_runs.ipynb #aa7d4ce6

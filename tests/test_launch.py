@@ -130,3 +130,17 @@ def test_free_port_is_bindable_and_unprivileged():
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # raises if another socket holds it
         assert s.getsockname()[1] == port
+
+
+def test_read_lines_stops_at_a_marker_and_leaves_the_rest_to_the_caller():
+    """The one deadline reader: at a marker the lines so far come back and what follows stays in the pipe (chapter
+    09's wait_for reads a READY cue this way, then the caller reads on); a silent child meets the deadline."""
+    proc = launch.start([sys.executable, "-c", "print('a'); print('READY'); print('b'); print('c')"])
+    lines, why = launch.read_lines(proc, time.monotonic() + 60, stop_on="READY")
+    assert (why, lines) == ("marker", ["a\n", "READY\n"])
+    assert proc.stdout.read() == "b\nc\n"
+    proc.wait()
+    quiet = launch.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.monotonic()
+    assert launch.read_lines(quiet, t0 + 0.5) == ([], "deadline") and time.monotonic() - t0 < 30
+    launch.kill(quiet)
