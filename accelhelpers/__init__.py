@@ -17,7 +17,7 @@ which and why: the list is short, and the test fails on any use not named here.
     device     floor
     internals  floor
     launch     floor    cells
-    longrun    09       internals, launch
+    longrun    09       device, internals, launch
     results    floor    longrun*  (atomic_write: every result is written the crash-safe way chapter 09 teaches)
     data       floor    device, results
     metrics    floor
@@ -31,7 +31,7 @@ which and why: the list is short, and the test fails on any use not named here.
     fullbatch  02       device, internals, data, metrics, models, session, timing
     udlbook    floor    device, results, models, fullbatch*  (udlbook's models padded as chapter 02 teaches)
     optim      03       data, metrics, train
-    pipeline   05       internals, longrun*, data, metrics, timing  (the batch-size finder's oom_kind, free_memory)
+    pipeline   05       device, internals, data, metrics, timing
     parallel   06       device, longrun*, data, metrics, models, session, train  (init_distributed, read_checkpoint)
     xla        07       device, internals, launch
     deploy     08       session, train, tools

@@ -1,9 +1,10 @@
 """Devices: pick the best one, describe the hardware (`Hardware`, what the device, dtype, attention and placement
-decisions are functions of; `hardware_report`, what a result was measured on), synchronise, and choose the run
-profile."""
+decisions are functions of; `hardware_report`, what a result was measured on), choose the run profile, and tell an
+out-of-memory error from any other and free what it left (`oom_kind`, `free_memory`)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import importlib.util
 import os
@@ -269,3 +270,27 @@ def machine_line(hw: dict[str, Any]) -> str:
              f"{hw.get('cpu', 'CPU')}, {hw.get('cpu_cores', '?')} cores",
              f"torch {hw.get('torch', '?')}", f"best device: {hw.get('best_device', '?')}"]
     return " · ".join(p for p in parts if p)
+
+
+def oom_kind(exc: BaseException) -> str | None:
+    """Which memory ran out: 'cuda', 'mps', 'xla' or 'cpu' for an out-of-memory error, None for anything else
+    (chapter 05's batch-size finder and chapter 09's batch back-off tell an out-of-memory error from a bug this way)."""
+    msg = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in msg:
+        return "cuda"
+    if "MPS backend out of memory" in msg:
+        return "mps"
+    if "RESOURCE_EXHAUSTED" in msg:
+        return "xla"
+    if isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in msg:
+        return "cpu"
+    return None
+
+
+def free_memory() -> None:
+    """Release what a failed step left behind: collect garbage, then return cached accelerator memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        torch.mps.empty_cache()

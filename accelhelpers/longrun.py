@@ -8,12 +8,11 @@ __all__ = ['FORMAT', 'SUFFIXES', 'FALLBACKS', 'LEAVE_OUT', 'exit_reason', 'atomi
            'read_checkpoint', 'latest_good_checkpoint', 'RunState', 'make_run', 'train_step', 'train', 'save',
            'restore_loader', 'load_checkpoint', 'resume', 'weights', 'Preemption', 'wait_for', 'NonFiniteError',
            'PeerFailure', 'is_finite', 'bad_ranks', 'check_finite', 'init_distributed', 'finish_distributed',
-           'peer_guard', 'oom_kind', 'free_memory', 'with_batch_backoff']
+           'peer_guard', 'with_batch_backoff']
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e002
 import contextlib
 import datetime
-import gc
 import hashlib
 import itertools
 import os
@@ -527,29 +526,6 @@ def peer_guard(what: str = "collective") -> Iterator[None]:
                           "(torchrun --max-restarts=N) and resume from the last checkpoint.") from e
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e040
-def oom_kind(exc: BaseException) -> str | None:
-    """Which memory ran out: 'cuda', 'mps', 'xla' or 'cpu' for an out-of-memory error, None for anything else."""
-    msg = str(exc)
-    if isinstance(exc, torch.OutOfMemoryError) or "CUDA out of memory" in msg:
-        return "cuda"
-    if "MPS backend out of memory" in msg:
-        return "mps"
-    if "RESOURCE_EXHAUSTED" in msg:
-        return "xla"
-    if isinstance(exc, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in msg:
-        return "cpu"
-    return None
-
-
-def free_memory() -> None:
-    """Release what a failed step left behind: collect garbage, then return cached accelerator memory."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        torch.mps.empty_cache()
-
-
 def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size: int = 1,
                        on_backoff: Callable[[int, str], None] | None = None) -> tuple[Any, int]:
     """Call `fn(batch_size)`; on out-of-memory free memory, halve the batch and retry down to `min_batch_size`.
@@ -561,7 +537,7 @@ def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size
         try:
             return fn(batch_size), batch_size
         except (RuntimeError, MemoryError) as e:
-            kind = oom_kind(e)
+            kind = ah.device.oom_kind(e)
             if kind is None:
                 raise
             if batch_size == min_batch_size:
@@ -570,7 +546,7 @@ def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size
                                "model, mixed precision or gradient accumulation")
                 raise
         # outside the except block: the traceback (and the tensors its frames hold) is gone before freeing
-        free_memory()
+        ah.device.free_memory()
         batch_size = max(min_batch_size, batch_size // 2)
         if on_backoff is not None:
             on_backoff(batch_size, kind)

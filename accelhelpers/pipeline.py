@@ -360,7 +360,7 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 2**2
 def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None = None,
                 optimizer_states: int = 2) -> Callable[[int], bool]:
     """A `fits(bs)` test for `largest_batch`: runs a step of batch `bs` (shaped like `sample`, on its device);
-    out of memory (`ah.longrun.oom_kind`) means False, and the memory is freed; with a budget, the step's memory
+    out of memory (`ah.device.oom_kind`) means False, and the memory is freed; with a budget, the step's memory
     (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long after it is slow."""
     if budget_bytes is None and sample.device.type != "cuda":
         raise ValueError("on a CPU give budget_bytes (e.g. 2 * 2**30): without one every batch 'fits' until the "
@@ -370,12 +370,12 @@ def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None
         try:
             used = step_memory(model, sample.expand(bs, *sample.shape[1:]).contiguous(), optimizer_states)
         except (RuntimeError, MemoryError) as e:
-            if ah.longrun.oom_kind(e) is None:
+            if ah.device.oom_kind(e) is None:
                 raise
         else:
             return budget_bytes is None or used <= budget_bytes
         model.zero_grad(set_to_none=True)  # outside the except block: its traceback no longer holds the tensors
-        ah.longrun.free_memory()
+        ah.device.free_memory()
         return False
 
     return fits

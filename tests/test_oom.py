@@ -1,6 +1,7 @@
-"""Out of memory: chapter 09's oom_kind (which memory ran out), free_memory and with_batch_backoff (halve the batch
-and retry), with fabricated and real allocation failures, and the chapter's oom.py, which gets a real, catchable
-CPU out-of-memory error under an address-space limit and backs off both ways (ours and accelerate's)."""
+"""Out of memory: the floor's oom_kind (which memory ran out) and free_memory, chapter 09's with_batch_backoff
+(halve the batch and retry), with fabricated and real allocation failures, and the chapter's oom.py, which gets a
+real, catchable CPU out-of-memory error under an address-space limit and backs off both ways (ours and
+accelerate's)."""
 
 import json
 import re
@@ -17,16 +18,16 @@ from tests import longrun_jobs as jobs
 
 
 def test_oom_kind_classifies_fabricated_and_real_errors():
-    assert ah.longrun.oom_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "cuda"
-    assert ah.longrun.oom_kind(RuntimeError("CUDA out of memory. Tried to allocate 20 MiB")) == "cuda"
-    assert ah.longrun.oom_kind(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)")) == "mps"
-    assert ah.longrun.oom_kind(RuntimeError("RESOURCE_EXHAUSTED: Attempting to allocate 3G")) == "xla"
-    assert ah.longrun.oom_kind(MemoryError()) == "cpu"
+    assert ah.device.oom_kind(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")) == "cuda"
+    assert ah.device.oom_kind(RuntimeError("CUDA out of memory. Tried to allocate 20 MiB")) == "cuda"
+    assert ah.device.oom_kind(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)")) == "mps"
+    assert ah.device.oom_kind(RuntimeError("RESOURCE_EXHAUSTED: Attempting to allocate 3G")) == "xla"
+    assert ah.device.oom_kind(MemoryError()) == "cpu"
     with pytest.raises(RuntimeError) as real:
         torch.empty(2**50, dtype=torch.uint8)  # a real CPU allocation failure (1 PiB)
-    assert ah.longrun.oom_kind(real.value) == "cpu"
-    assert ah.longrun.oom_kind(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
-    assert ah.longrun.oom_kind(ValueError("CUDA out of memory")) == "cuda"  # by message, whatever the type
+    assert ah.device.oom_kind(real.value) == "cpu"
+    assert ah.device.oom_kind(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert ah.device.oom_kind(ValueError("CUDA out of memory")) == "cuda"  # by message, whatever the type
 
 
 @pytest.mark.slow
@@ -69,7 +70,7 @@ def test_a_real_cuda_oom_is_classified_released_and_backed_off():
     base = torch.cuda.memory_allocated()
     with pytest.raises(torch.OutOfMemoryError) as real:
         torch.empty(2 * total_gib * 2**30, dtype=torch.uint8, device="cuda")
-    assert ah.longrun.oom_kind(real.value) == "cuda"
+    assert ah.device.oom_kind(real.value) == "cuda"
     del real
     start = 4 * total_gib
     _, gib = ah.longrun.with_batch_backoff(lambda g: torch.empty(g * 2**30, dtype=torch.uint8, device="cuda").numel(),
@@ -95,7 +96,7 @@ def test_free_memory_collects_garbage_cycles():
     a.other, b.other = b, a
     ref = weakref.ref(a)
     del a, b
-    ah.longrun.free_memory()
+    ah.device.free_memory()
     assert ref() is None
 
 
@@ -119,7 +120,7 @@ SETTINGS = settings(max_examples=60, deadline=None, database=None,
 @given(start=st.integers(1, 4096), fits=st.integers(0, 4096), low=st.integers(1, 64))
 def test_property_batch_backoff_finds_a_size_that_fits_or_reraises(start, fits, low, monkeypatch):
     low = min(low, start)
-    monkeypatch.setattr(ah.longrun, "free_memory", lambda: None)  # gc.collect() per retry is slow; tested above
+    monkeypatch.setattr(ah.device, "free_memory", lambda: None)  # gc.collect() per retry is slow; tested above
 
     def step(bs):
         if bs > fits:
