@@ -32,7 +32,7 @@ which and why: the list is short, and the test fails on any use not named here.
     udlbook    floor    device, results, models, fullbatch*  (udlbook's models padded as chapter 02 teaches)
     optim      03       data, metrics, train
     pipeline   05       device, internals, data, metrics, timing
-    parallel   06       device, longrun*, data, metrics, models, session, train  (init_distributed, read_checkpoint)
+    parallel   06       device, data, metrics, models, session, train
     xla        07       device, internals, launch
     deploy     08       session, train, tools
     toolflows  10       launch, longrun, deploy, tools

@@ -7,12 +7,10 @@ __all__ = ['FORMAT', 'SUFFIXES', 'FALLBACKS', 'LEAVE_OUT', 'exit_reason', 'atomi
            'CheckpointWarning', 'checkpoint_path', 'unwrap', 'digest', 'rng_state', 'set_rng_state', 'save_checkpoint',
            'read_checkpoint', 'latest_good_checkpoint', 'RunState', 'make_run', 'train_step', 'train', 'save',
            'restore_loader', 'load_checkpoint', 'resume', 'weights', 'Preemption', 'wait_for', 'NonFiniteError',
-           'PeerFailure', 'is_finite', 'bad_ranks', 'check_finite', 'init_distributed', 'finish_distributed',
-           'peer_guard', 'with_batch_backoff']
+           'PeerFailure', 'is_finite', 'bad_ranks', 'check_finite', 'peer_guard', 'with_batch_backoff']
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e002
 import contextlib
-import datetime
 import hashlib
 import itertools
 import os
@@ -484,34 +482,6 @@ def check_finite(loss: torch.Tensor, model: nn.Module | None = None, step: int |
                              "Lower the learning rate, clip gradients, use loss scaling, or check the data.")
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e037
-def init_distributed(backend: str = "gloo", timeout_s: float = 60.0) -> tuple[int, int]:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) with a collective timeout,
-    so a stuck peer becomes an error after `timeout_s` instead of a hang; returns (rank, world_size)."""
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"not started by torchrun: {', '.join(missing)} unset. Launch with "
-                           "`torchrun --nproc-per-node=2 script.py` (or set them yourself).")
-    if not _distributed():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-        # torchrun shares one store across restarts: without a per-restart prefix, restarted workers can read
-        # their predecessors' addresses and fail to connect (pytorch/pytorch#135712)
-        store = dist.PrefixStore(f"accelhelpers/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def finish_distributed() -> None:
-    """Leave the process group together: a barrier (no rank tears down connections a peer still uses: with gloo
-    that can abort the peer), then destroy the group. Every rank must be alive, or the barrier waits it out."""
-    if _distributed():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 @contextmanager
 def peer_guard(what: str = "collective") -> Iterator[None]:
     """Turn the backend's error from a collective whose peer died or timed out into a PeerFailure saying so."""

@@ -154,7 +154,7 @@ def test_ddp_training_checkpoints_reloads_and_times_every_way(jobs):
     res = json.loads((d / "ddp" / "ddp.json").read_text())
     assert res["world"] == 2 and [r["rank"] for r in res["ranks"]] == [0, 1]
     assert all(r["checkpoint_reloads_equal"] for r in res["ranks"]) and len({r["accuracy"] for r in res["ranks"]}) == 1
-    assert [p.name for p in (d / "ddp" / "ckpt").iterdir() if p.suffix == ".pt"] == ["step_00000001.pt"]
+    assert [p.name for p in (d / "ddp" / "ckpt").iterdir() if p.suffix == ".pt"] == ["last.pt"]
     assert res["grad_bytes"] == 4 * res["params"] and res["grad_bytes"] <= res["first_bucket_bytes"]
     cpu = res["device"] == "cpu"
     assert res["backend"] == ("gloo" if cpu else "nccl")
@@ -256,7 +256,7 @@ def test_allreduce_gradients_averages_and_needs_a_group(group1):
     model(torch.ones(2, 3)).sum().backward()
     with pytest.raises(RuntimeError, match="no process group"):
         parallel.allreduce_gradients(model)
-    ah.longrun.init_distributed("gloo", 30)
+    ah.parallel.init_distributed("gloo", 30)
     before = model.weight.grad.clone()
     parallel.allreduce_gradients(model)
     assert torch.equal(model.weight.grad, before)  # world size 1: the average is the gradient itself
@@ -277,7 +277,7 @@ def test_equivalence_script_at_world_1_matches_reference(group1, scripts, monkey
 
 
 def test_mnist1d_loader_splits_the_data_between_ranks(group1, worker):
-    ah.longrun.init_distributed("gloo", 30)
+    ah.parallel.init_distributed("gloo", 30)
     loader, data = worker("ddp_train").mnist1d_loader(batch=50)
     loader.sampler.set_epoch(0)
     first = list(loader.sampler)
@@ -287,7 +287,7 @@ def test_mnist1d_loader_splits_the_data_between_ranks(group1, worker):
 
 
 def test_interleaved_timing_runs_alone_functions_on_rank_0_with_their_threads(group1, worker):
-    ah.longrun.init_distributed("gloo", 30)
+    ah.parallel.init_distributed("gloo", 30)
     common = worker("ddp_common")
     seen = []
     times = common.interleaved({"a": lambda: seen.append(("a", torch.get_num_threads())),
@@ -299,7 +299,7 @@ def test_interleaved_timing_runs_alone_functions_on_rank_0_with_their_threads(gr
 
 
 def test_fsdp_vs_ddp_shards_nothing_at_world_1_and_matches_ddp(group1, worker):
-    ah.longrun.init_distributed("gloo", 30)
+    ah.parallel.init_distributed("gloo", 30)
     res = worker("fsdp").fsdp_vs_ddp(16, torch.device("cpu"))
     full = metrics.param_bytes(ah.models.mlp([16, 16, 16, 1]))
     assert res["ddp"]["param_bytes"] == res["fsdp"]["param_bytes"] == full == 4 * (2 * 16 * 16 + 16 + 16 + 16 + 1)
@@ -314,7 +314,7 @@ def test_fastai_broadcast_fails_on_cpu_unpatched_and_works_patched(group1):
         if not torch.cuda.is_available():
             with pytest.raises((RuntimeError, AssertionError), match="NVIDIA|CUDA|Torch not compiled"):
                 original(None, [3, 1, 2], 0)
-        ah.longrun.init_distributed("gloo", 30)
+        ah.parallel.init_distributed("gloo", 30)
         assert parallel.patch_fastai_for_cpu() is True and parallel.patch_fastai_for_cpu() is False
         assert fd.DistributedDL._broadcast(None, [3, 1, 2], 0) == [3, 1, 2]
     finally:
@@ -454,7 +454,7 @@ def test_no_gpu_means_cpu_ranks_and_nothing_hidden(monkeypatch):
 def fake_group(monkeypatch):
     """setup_rank's choice without a process group: init_distributed records the backend it is asked for."""
     asked = []
-    monkeypatch.setattr(ah.longrun, "init_distributed", lambda backend, timeout_s: asked.append(backend) or (0, 2))
+    monkeypatch.setattr(ah.parallel, "init_distributed", lambda backend, timeout_s: asked.append(backend) or (0, 2))
     monkeypatch.delenv("ACCEL_DEVICE", raising=False)
     for k, v in {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)

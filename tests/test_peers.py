@@ -1,6 +1,6 @@
-"""Dead or stuck peers: chapter 09's init_distributed and peer_guard say what to do, and a peer that exits, hangs or
-is killed before an all-reduce is a clear error on the other rank within the collective timeout, not a hang
-(tests/rank_scripts/peer_faults.py, 2 gloo ranks under torchrun)."""
+"""Dead or stuck peers: chapter 06's init_distributed and chapter 09's peer_guard say what to do, and a peer that
+exits, hangs or is killed before an all-reduce is a clear error on the other rank within the collective timeout, not
+a hang (tests/rank_scripts/peer_faults.py, 2 gloo ranks under torchrun)."""
 
 import json
 import re
@@ -48,9 +48,9 @@ def test_init_distributed_and_peer_guard_say_what_to_do(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeError, match="not started by torchrun: RANK, WORLD_SIZE.*torchrun --nproc-per-node"):
-        ah.longrun.init_distributed()
+        ah.parallel.init_distributed()
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        ah.longrun.init_distributed(timeout_s=0)
+        ah.parallel.init_distributed(timeout_s=0)
     with pytest.raises(ah.longrun.PeerFailure, match=r"rank 0: barrier failed: a peer .*\(RuntimeError: Connection "
                                                      r"reset by peer\)"):
         with ah.longrun.peer_guard("barrier"):

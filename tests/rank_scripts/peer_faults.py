@@ -23,7 +23,7 @@ import accelhelpers as ah
 
 def peer(out: Path, fault: str, timeout_s: float) -> None:
     """Rank 1 fails ('exit', 'hang', 'kill') before an all-reduce; rank 0 records its PeerFailure, exits 3."""
-    rank, _ = ah.longrun.init_distributed("gloo", timeout_s)
+    rank, _ = ah.parallel.init_distributed("gloo", timeout_s)
     t = torch.ones(4)
     torch.distributed.all_reduce(t)  # the group works
     if rank == 1:
