@@ -32,12 +32,12 @@ course: venv
 # sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE: about 2.7x the throughput of two busy-waiting
 # processes here). Timing tests compare within one process, so they hold under the load; the chapters' own figures
 # come from `make course`. The 25 slowest tests' times end the output (the CI log's record of where the time went).
-# Everything runs on a second numeric path of this CPU (tests/numeric_path.py: vector kernels one level below its
+# Everything runs on a second numeric path of this CPU (tools/numeric_path.py: vector kernels one level below its
 # own, MKL held to AVX2, checked first to change a training run's bits here), so nbval shows that the compared
 # outputs hold on another CPU, not only on the kind that recorded them. Where no second path exists (it would not
 # change the bits), the tests run on this CPU's own kernels and say so; ACCEL_REQUIRE_SECOND_PATH=1 (CI) fails instead.
 test: venv lint browser slurm
-	@path=$$($(BIN)/python tests/numeric_path.py) || { \
+	@path=$$($(BIN)/python tools/numeric_path.py) || { \
 		if [ -n "$$ACCEL_REQUIRE_SECOND_PATH" ]; then echo "no second numeric path on this CPU"; exit 1; fi; \
 		echo "no second numeric path on this CPU: nbval compares on its own kernels"; path=""; }; \
 	echo "numeric path of the tests: $${path:-this CPU's own}"; \
@@ -113,7 +113,7 @@ slurm:
 # The lessons live in the notebooks: `#| export` cells go into accelhelpers/ (nbdev 3). After editing an exported
 # cell, `make export` (or `make export NB=notebooks/03_momentum_adam_one_cycle.ipynb` for one chapter).
 export: venv
-	$(BIN)/python tests/nbexport.py $(NB)
+	$(BIN)/python tools/nbexport.py $(NB)
 
 # The Colab badges and setup cells, written from pyproject.toml's [project.urls] Repository and the version (README:
 # Publishing); tests/test_colab.py fails when they disagree.
@@ -127,13 +127,13 @@ notebooks: venv
 	@for nb in $(NBS); do echo "executing $$nb"; \
 		ACCEL_PROFILE=quick TQDM_DISABLE=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=600 --KernelManager.transport_encryption=required "$$nb" || exit 1; \
-		$(BIN)/python tests/nbexport.py --clean "$$nb"; done
+		$(BIN)/python tools/nbexport.py --clean "$$nb"; done
 
 bench: venv
 	$(BIN)/python -m accelhelpers bench fullbatch --json build/bench_fullbatch.json
 
 lint: venv
-	$(BIN)/ruff check accelhelpers tests notebooks
+	$(BIN)/ruff check accelhelpers tests tools notebooks
 
 clean:
 	rm -rf build

@@ -1,10 +1,14 @@
-"""The pinned environment: requirements.txt and environment.yml agree, and the pins are the ones installed."""
+"""The pinned environment: requirements.txt holds the pins and environment.yml only wraps it for conda, and the pins
+are the ones installed."""
 
 import os
+import re
+import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,13 +17,26 @@ def _pins(lines):
     return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
 
 
-def test_environment_yml_matches_requirements():
-    req = _pins((ROOT / "requirements.txt").read_text().splitlines())
-    yml = (ROOT / "environment.yml").read_text().splitlines()
-    assert "  - python=3.11" in yml
-    start = yml.index("  - pip:")
-    pip_lines = [ln.strip()[2:] for ln in yml[start + 1:] if ln.strip().startswith("- ")]
-    assert pip_lines == req
+def _conda_env():
+    return yaml.safe_load((ROOT / "environment.yml").read_text())
+
+
+def test_environment_yml_wraps_requirements():
+    """conda's environment is Python and pip, then pip installs requirements.txt (the checkout's package with it): no
+    second copy of a pin to fall behind. Conda runs pip from the file's folder, so the path is this checkout's."""
+    python, pip, pip_section = _conda_env()["dependencies"]
+    assert re.fullmatch(r"python=\d+\.\d+", python) and pip == "pip"
+    assert pip_section == {"pip": ["-r requirements.txt"]}
+    assert "-e ." in _pins((ROOT / "requirements.txt").read_text().splitlines())
+
+
+def test_one_python_version():
+    """environment.yml's Python is the oldest that pyproject.toml allows, the one the Makefile's venv prefers."""
+    python = _conda_env()["dependencies"][0].removeprefix("python=")
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == f">={python}"
+    assert re.search(r"^PYTHON \?= \$\(shell command -v python(\d+\.\d+) ", (ROOT / "Makefile").read_text(),
+                     re.M).group(1) == python
 
 
 COMPAT = os.environ.get("ACCEL_COMPAT") == "1"  # set by `make test-compat` (.venv-compat, newer torch)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import nbexport
+from tools import nbexport
 
 ROOT = nbexport.ROOT
 NOTEBOOKS = nbexport.chapters()

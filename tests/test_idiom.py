@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import nbexport
+from tools import nbexport
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import nbexport
+from tools import nbexport
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "accelhelpers"

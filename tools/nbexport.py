@@ -1,6 +1,6 @@
 """Export the chapters' `#| export` cells into accelhelpers/ with nbdev 3's `nb_export` (used by `make export` and
-by tests/test_export.py). `python tests/nbexport.py [NOTEBOOK ...]` exports the given notebooks, or every chapter;
-`python tests/nbexport.py --clean [NOTEBOOK ...]` strips what an execution leaves that is not a lesson's output
+by tests/test_export.py). `python tools/nbexport.py [NOTEBOOK ...]` exports the given notebooks, or every chapter;
+`python tools/nbexport.py --clean [NOTEBOOK ...]` strips what an execution leaves that is not a lesson's output
 (execution timestamps, widget state and the frozen widgets it drew), as `make notebooks` does after running each
 chapter."""
 
