@@ -132,8 +132,12 @@ notebooks: venv
 bench: venv
 	$(BIN)/python -m accelhelpers bench fullbatch --json build/bench_fullbatch.json
 
+# ruff's rules over the package, the tests, the tooling and the notebooks; and the notebooks' code cells as
+# `ruff format` writes them (`.venv/bin/ruff format notebooks`, then `make export`; a %%writefile cell stays as
+# written).
 lint: venv
 	$(BIN)/ruff check accelhelpers tests tools notebooks
+	$(BIN)/ruff format --check notebooks
 
 clean:
 	rm -rf build

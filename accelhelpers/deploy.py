@@ -27,9 +27,17 @@ from torch import nn
 import accelhelpers as ah
 
 # %% ../notebooks/08_quantization_onnx_fpga.ipynb #3c41ab4f
-def fit_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int = 128,
-                   lr: float = 3e-3, seed: int = 0, threads: int | None = None,
-                   progress: str | bool = False) -> nn.Module:
+def fit_classifier(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    batch_size: int = 128,
+    lr: float = 3e-3,
+    seed: int = 0,
+    threads: int | None = None,
+    progress: str | bool = False,
+) -> nn.Module:
     """Train a classifier with AdamW and torch's OneCycleLR on shuffled minibatches (`ah.train.fit`); returns it in
     eval mode. `threads` sets torch's CPU threads while training (tiny models are often fastest on one);
     `progress` shows a bar over the epochs (a string labels it)."""
@@ -52,8 +60,9 @@ class QParams:
     qmax: int
 
 
-def qparams(x_min: float, x_max: float, signed: bool = False, symmetric: bool = False,
-            float32_math: bool = False) -> QParams:
+def qparams(
+    x_min: float, x_max: float, signed: bool = False, symmetric: bool = False, float32_math: bool = False
+) -> QParams:
     """8-bit scale and zero-point for [x_min, x_max] (widened to include 0), as ONNX Runtime computes them: in
     float64 for weights (its Python quantizer), in float32 with `float32_math` (its C++ DynamicQuantizeLinear)."""
     if x_min > x_max:
@@ -124,9 +133,16 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | Path) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.redirect_stdout(io.StringIO()):  # the exporter narrates its steps
-        torch.onnx.export(model.eval(), (example,), path, dynamo=True, external_data=False,
-                          input_names=["x"], output_names=["logits"],
-                          dynamic_shapes=({0: torch.export.Dim("batch")},))
+        torch.onnx.export(
+            model.eval(),
+            (example,),
+            path,
+            dynamo=True,
+            external_data=False,
+            input_names=["x"],
+            output_names=["logits"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+        )
     onnx.checker.check_model(str(path), full_check=True)
     return path
 
@@ -172,7 +188,7 @@ def calib_batches(calib_x: Any, batch: int, who: str) -> list[np.ndarray]:
     x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
     if len(x) == 0:
         raise ValueError(f"{who} needs calibration rows (a few hundred training inputs)")
-    return [x[i:i + batch] for i in range(0, len(x), batch)]
+    return [x[i : i + batch] for i in range(0, len(x), batch)]
 
 
 def quantize_onnx_static(src: str | Path, dst: str | Path, calib_x: Any, batch: int = 64) -> Path:
@@ -192,8 +208,14 @@ def quantize_onnx_static(src: str | Path, dst: str | Path, calib_x: Any, batch: 
             return None if b is None else {"x": b}
 
     reader = Rows(calib_batches(calib_x, batch, "static quantization"))
-    quantize_static(_preprocess(src, dst), str(dst), reader, quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    quantize_static(
+        _preprocess(src, dst),
+        str(dst),
+        reader,
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+    )
     return Path(dst)
 
 # %% ../notebooks/08_quantization_onnx_fpga.ipynb #7d931d24
@@ -230,8 +252,8 @@ def to_fixed(x: Any, precision: str) -> np.ndarray:
     if modes - {"TRN", "WRAP"}:
         raise ValueError(f"to_fixed models the default AP_TRN/AP_WRAP modes only, not {precision!r}")
     frac = width - integer
-    q = np.floor(np.asarray(x, dtype=np.float64) * 2.0**frac)              # truncate to the grid (AP_TRN)
-    q = np.mod(q + 2.0 ** (width - 1), 2.0**width) - 2.0 ** (width - 1)     # wrap into W bits (AP_WRAP)
+    q = np.floor(np.asarray(x, dtype=np.float64) * 2.0**frac)  # truncate to the grid (AP_TRN)
+    q = np.mod(q + 2.0 ** (width - 1), 2.0**width) - 2.0 ** (width - 1)  # wrap into W bits (AP_WRAP)
     return q / 2.0**frac
 
 # %% ../notebooks/08_quantization_onnx_fpga.ipynb #18261f71
@@ -250,8 +272,14 @@ def layer_ranges(model: nn.Sequential, x: torch.Tensor) -> list[dict[str, Any]]:
         for i, layer in enumerate(model):
             h = layer(h)
             params = [p.detach().abs().max() for p in layer.parameters()]  # weight and bias share a type
-            rows.append({"layer": str(i), "kind": type(layer).__name__,
-                         "w_absmax": float(max(params)) if params else None, "out_absmax": float(h.abs().max())})
+            rows.append(
+                {
+                    "layer": str(i),
+                    "kind": type(layer).__name__,
+                    "w_absmax": float(max(params)) if params else None,
+                    "out_absmax": float(h.abs().max()),
+                }
+            )
     for r in rows:
         r["w_int_bits"] = None if r["w_absmax"] is None else int_bits(r["w_absmax"])
         r["out_int_bits"] = int_bits(r["out_absmax"])
@@ -263,17 +291,27 @@ def layer_ranges(model: nn.Sequential, x: torch.Tensor) -> list[dict[str, Any]]:
 _FX_TRACE = threading.Lock()
 
 
-def hls_config(model: nn.Module, n_features: int, precision: str = "ap_fixed<16,6>", reuse_factor: int = 1,
-               per_layer: dict[str, str] | None = None) -> dict[str, Any]:
+def hls_config(
+    model: nn.Module,
+    n_features: int,
+    precision: str = "ap_fixed<16,6>",
+    reuse_factor: int = 1,
+    per_layer: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """hls4ml's per-layer config for a PyTorch model, with one precision everywhere and optional overrides
     (layer index or 'input' -> precision of that layer's weights/bias or result); accumulators stay 'auto'."""
     ah.tools.require("hls4ml")
     import hls4ml
 
     parse_fixed(precision)
-    cfg = hls4ml.utils.config_from_pytorch_model(model, input_shape=(n_features,), granularity="name",
-                                                 default_precision=precision, default_reuse_factor=reuse_factor,
-                                                 backend="Vitis")
+    cfg = hls4ml.utils.config_from_pytorch_model(
+        model,
+        input_shape=(n_features,),
+        granularity="name",
+        default_precision=precision,
+        default_reuse_factor=reuse_factor,
+        backend="Vitis",
+    )
     for key, p in (per_layer or {}).items():
         name = "input_1" if key == "input" else f"_{key}"
         layer = cfg["LayerName"].get(name)
@@ -285,9 +323,16 @@ def hls_config(model: nn.Module, n_features: int, precision: str = "ap_fixed<16,
     return cfg
 
 
-def hls_convert(model: nn.Module, n_features: int, out_dir: str | Path, precision: str = "ap_fixed<16,6>",
-                reuse_factor: int = 1, per_layer: dict[str, str] | None = None, compile: bool = True,
-                quiet: bool = True) -> Any:
+def hls_convert(
+    model: nn.Module,
+    n_features: int,
+    out_dir: str | Path,
+    precision: str = "ap_fixed<16,6>",
+    reuse_factor: int = 1,
+    per_layer: dict[str, str] | None = None,
+    compile: bool = True,
+    quiet: bool = True,
+) -> Any:
     """Convert a PyTorch model to an hls4ml Vitis HLS project (io_parallel) written to `out_dir`; with `compile`,
     build its C++ with g++ into a library so that `.predict` runs the bit-accurate fixed-point emulation."""
     ah.tools.require("hls4ml", *(("g++",) if compile else ()))
@@ -297,8 +342,9 @@ def hls_convert(model: nn.Module, n_features: int, out_dir: str | Path, precisio
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         with _FX_TRACE:
             cfg = hls_config(model, n_features, precision, reuse_factor, per_layer)
-            hm = hls4ml.converters.convert_from_pytorch_model(model, hls_config=cfg, output_dir=str(out_dir),
-                                                              backend="Vitis", io_type="io_parallel")
+            hm = hls4ml.converters.convert_from_pytorch_model(
+                model, hls_config=cfg, output_dir=str(out_dir), backend="Vitis", io_type="io_parallel"
+            )
         if compile:
             hm.compile()  # writes the project, then g++ builds it into a shared library
         else:
@@ -323,8 +369,9 @@ def _as_written(t: torch.Tensor, precision: str) -> np.ndarray:
     return v.reshape(tuple(t.shape))
 
 
-def fixed_forward(model: nn.Sequential, x: Any, precision: str = "ap_fixed<16,6>",
-                  per_layer: dict[str, str] | None = None) -> np.ndarray:
+def fixed_forward(
+    model: nn.Sequential, x: Any, precision: str = "ap_fixed<16,6>", per_layer: dict[str, str] | None = None
+) -> np.ndarray:
     """Bit-accurate NumPy model of what hls4ml's io_parallel Dense/ReLU firmware computes: input, weights, biases
     and ReLU outputs in ap_fixed (per_layer overrides by layer index or 'input'), exact wide accumulators."""
     per_layer = per_layer or {}
@@ -342,8 +389,15 @@ def fixed_forward(model: nn.Sequential, x: Any, precision: str = "ap_fixed<16,6>
     return h.astype(np.float32)
 
 # %% ../notebooks/08_quantization_onnx_fpga.ipynb #6447a2d4
-def hls_sweep(model: nn.Module, n_features: int, x: Any, precisions: Sequence[str], out_root: str | Path,
-              per_layer: Sequence[dict[str, str] | None] | None = None, workers: int = 2) -> list[np.ndarray]:
+def hls_sweep(
+    model: nn.Module,
+    n_features: int,
+    x: Any,
+    precisions: Sequence[str],
+    out_root: str | Path,
+    per_layer: Sequence[dict[str, str] | None] | None = None,
+    workers: int = 2,
+) -> list[np.ndarray]:
     """Compile one hls4ml project per precision under `out_root` (in parallel: each g++ build is its own process)
     and return each one's predictions on `x`."""
     if not precisions:
@@ -354,8 +408,10 @@ def hls_sweep(model: nn.Module, n_features: int, x: Any, precisions: Sequence[st
     x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     dirs = [Path(out_root) / f"p{i}_{re.sub(r'[^0-9]+', '_', p).strip('_')}" for i, p in enumerate(precisions)]
     with contextlib.redirect_stdout(io.StringIO()), ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = [pool.submit(hls_convert, model, n_features, d, p, per_layer=o, quiet=False)  # g++ frees the GIL
-                   for d, p, o in zip(dirs, precisions, per_layer, strict=True)]
+        futures = [
+            pool.submit(hls_convert, model, n_features, d, p, per_layer=o, quiet=False)  # g++ frees the GIL
+            for d, p, o in zip(dirs, precisions, per_layer, strict=True)
+        ]
         return [hls_predict(f.result(), x) for f in futures]
 
 # %% ../notebooks/08_quantization_onnx_fpga.ipynb #d98bccf6
@@ -364,6 +420,12 @@ def multipliers(model: nn.Module, reuse_factor: int = 1) -> list[dict[str, int]]
     each used reuse_factor times per inference (so a new input every reuse_factor clock cycles)."""
     if reuse_factor < 1:
         raise ValueError(f"reuse_factor must be >= 1, got {reuse_factor}")
-    return [{"layer": name, "products": m.in_features * m.out_features,
-             "multipliers": math.ceil(m.in_features * m.out_features / reuse_factor)}
-            for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return [
+        {
+            "layer": name,
+            "products": m.in_features * m.out_features,
+            "multipliers": math.ceil(m.in_features * m.out_features / reuse_factor),
+        }
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    ]

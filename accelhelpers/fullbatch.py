@@ -45,8 +45,10 @@ def check_run(data: ah.data.Split, epochs: int, lr: float) -> None:
     if not lr > 0:
         raise ValueError(f"the learning rate must be positive, got {lr}")
     if data.x_train.ndim != 2 or len(data.x_train) != len(data.y_train):
-        raise ValueError(f"expected x_train [N, features] with N labels, got {tuple(data.x_train.shape)} "
-                         f"and {tuple(data.y_train.shape)}")
+        raise ValueError(
+            f"expected x_train [N, features] with N labels, got {tuple(data.x_train.shape)} "
+            f"and {tuple(data.y_train.shape)}"
+        )
 
 
 def udlbook_loop(model: nn.Module, data: ah.data.Split, epochs: int, lr: float = 0.0025) -> History:
@@ -76,8 +78,7 @@ def naive_fullbatch(model: nn.Module, data: ah.data.Split, epochs: int, lr: floa
     check_run(data, epochs, lr)
     loss_function = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    data_loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train),
-                             shuffle=True)
+    data_loader = DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train), shuffle=True)
     errors_train, errors_test, losses = np.zeros(epochs), np.zeros(epochs), np.zeros(epochs)
     for epoch in range(epochs):
         for x_batch, y_batch in data_loader:
@@ -114,13 +115,23 @@ class FullBatchLoop:
     compile: torch.compile the whole step.
     """
 
-    def __init__(self, model: nn.Module, data: ah.data.Split, lr: float = 0.0025, *, dataloader: bool = False,
-                 host_sync: bool = False, fused: bool = True, compile: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        data: ah.data.Split,
+        lr: float = 0.0025,
+        *,
+        dataloader: bool = False,
+        host_sync: bool = False,
+        fused: bool = True,
+        compile: bool = False,
+    ) -> None:
         check_run(data, 1, lr)
         self.model, self.data, self.host_sync, self.fused = model, data, host_sync, fused
         self.opt = torch.optim.SGD(model.parameters(), lr=lr, foreach=fused)
-        self.loader = (DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train))
-                       if dataloader else None)
+        self.loader = (
+            DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train)) if dataloader else None
+        )
         self.step = self._step
         if compile:
             ah.internals.quiet_dynamo_logs()
@@ -198,8 +209,9 @@ def loss_t(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tupl
     return (torch.logsumexp(logits_t, 0) - logits_t.gather(0, y[None])[0]).mean(), logits_t
 
 
-def fullgraph_train_step(lr: float, params: list[torch.Tensor], x: torch.Tensor,
-                         y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fullgraph_train_step(
+    lr: float, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward, backward (torch.func) and SGD update in place; returns (loss, train error % of this forward)."""
     grads, (loss, logits_t) = torch.func.grad_and_value(loss_t, has_aux=True)(params, x, y)
     with torch.no_grad():
@@ -214,8 +226,9 @@ def fullgraph_test_err(params: list[torch.Tensor], x_test: torch.Tensor, y_test:
         return ah.metrics.error_percent(mlp_forward_t(params, x_test).T, y_test)
 
 
-def fullgraph_step(lr: float, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor,
-                   y_test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fullgraph_step(
+    lr: float, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward, backward, SGD update in place and both metrics: one pure function, one graph."""
     loss, train_err = fullgraph_train_step(lr, params, x, y)
     return loss, train_err, fullgraph_test_err(params, x_test, y_test)
@@ -228,8 +241,15 @@ class FullGraphLoop(FullBatchLoop):
     test_every: the test error after every k-th step only (NaN elsewhere); k > 1 compiles a training-only step
     and a separate test pass. compile=False runs the same functions eagerly."""
 
-    def __init__(self, model: nn.Sequential, data: ah.data.Split, lr: float = 0.0025, *, test_every: int = 1,
-                 compile: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Sequential,
+        data: ah.data.Split,
+        lr: float = 0.0025,
+        *,
+        test_every: int = 1,
+        compile: bool = True,
+    ) -> None:
         check_run(data, 1, lr)
         if isinstance(test_every, bool) or not isinstance(test_every, int) or test_every < 1:
             raise ValueError(f"test_every must be an int >= 1, got {test_every!r}")
@@ -279,10 +299,12 @@ class ManyMLP(nn.Module):
         self.k = len(models)
         self.weights = nn.ParameterList(
             nn.Parameter(torch.stack([ls[i].weight.detach().T.contiguous() for ls in linears]))
-            for i in range(len(linears[0])))
+            for i in range(len(linears[0]))
+        )
         self.biases = nn.ParameterList(
             nn.Parameter(torch.stack([ls[i].bias.detach() for ls in linears]).unsqueeze(1))
-            for i in range(len(linears[0])))
+            for i in range(len(linears[0]))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, in] -> logits [K, B, out]."""
@@ -297,8 +319,9 @@ class ManyMLP(nn.Module):
 class ManyModelsLoop(FullBatchLoop):
     """Full-batch SGD of K models at once (a ManyMLP)."""
 
-    def __init__(self, models: list[nn.Sequential], data: ah.data.Split, lr: float = 0.0025, *,
-                 compile: bool = False) -> None:
+    def __init__(
+        self, models: list[nn.Sequential], data: ah.data.Split, lr: float = 0.0025, *, compile: bool = False
+    ) -> None:
         self.many = ManyMLP(models).to(data.device)
         super().__init__(self.many, data, lr, compile=compile)
 
@@ -347,9 +370,11 @@ def bf16_ok(hw: ah.device.Hardware) -> bool:
 
 def autocast_bf16(run: Callable[[int], object], device: torch.device) -> Callable[[int], object]:
     """`run` under bf16 autocast: matmuls and activations in bf16, the fp32 weights updated in fp32."""
+
     def go(n: int) -> object:
         with torch.autocast(device.type, dtype=torch.bfloat16):
             return run(n)
+
     return go
 
 
@@ -360,6 +385,7 @@ def fastai_runner(data: ah.data.Split) -> Callable[[int], object]:
     def fit(n: int) -> None:
         with learn.no_bar(), learn.no_logging():
             learn.fit(n, LR)
+
     return fit
 
 
@@ -368,36 +394,79 @@ def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True) -> li
     m = lambda: ah.models.udl_mlp(DEPTH, seed=0).to(data.device)
     rows = [
         Variant("naive", "udlbook's loop as written", 1, lambda: lambda n: udlbook_loop(m(), data, n, LR)),
-        Variant("naive+eval", "+ shuffle, a train and a test pass every epoch", 1,
-                lambda: lambda n: naive_fullbatch(m(), data, n, LR)),
+        Variant(
+            "naive+eval",
+            "+ shuffle, a train and a test pass every epoch",
+            1,
+            lambda: lambda n: naive_fullbatch(m(), data, n, LR),
+        ),
         Variant("fastai", "fastai Learner.fit, one batch of 4000, SGD", 1, lambda: fastai_runner(data)),
-        Variant("tensors", "device tensors, no DataLoader; a host sync per epoch", 1,
-                lambda: FullBatchLoop(m(), data, LR, host_sync=True, fused=False).run),
-        Variant("no_sync", "+ metrics kept on the device, read once", 1,
-                lambda: FullBatchLoop(m(), data, LR, fused=False).run),
+        Variant(
+            "tensors",
+            "device tensors, no DataLoader; a host sync per epoch",
+            1,
+            lambda: FullBatchLoop(m(), data, LR, host_sync=True, fused=False).run,
+        ),
+        Variant(
+            "no_sync",
+            "+ metrics kept on the device, read once",
+            1,
+            lambda: FullBatchLoop(m(), data, LR, fused=False).run,
+        ),
         Variant("fast", "+ zero_grad(set_to_none=True), foreach SGD", 1, lambda: FullBatchLoop(m(), data, LR).run),
-        Variant("padded", "+ hidden widths padded 63 -> 64 (same model)", 1,
-                lambda: FullBatchLoop(pad_mlp(m()), data, LR).run),
+        Variant(
+            "padded",
+            "+ hidden widths padded 63 -> 64 (same model)",
+            1,
+            lambda: FullBatchLoop(pad_mlp(m()), data, LR).run,
+        ),
     ]
     if compile:
         rows += [
-            Variant("compiled", "+ torch.compile of the whole step", 1,
-                    lambda: FullBatchLoop(pad_mlp(m()), data, LR, compile=True).run),
-            Variant("fullgraph", "+ one graph (torch.func), logits [classes, batch]", 1,
-                    lambda: FullGraphLoop(pad_mlp(m()), data, LR).run),
-            Variant("test/100", "+ the test error every 100 epochs", 1,
-                    lambda: FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run)]
+            Variant(
+                "compiled",
+                "+ torch.compile of the whole step",
+                1,
+                lambda: FullBatchLoop(pad_mlp(m()), data, LR, compile=True).run,
+            ),
+            Variant(
+                "fullgraph",
+                "+ one graph (torch.func), logits [classes, batch]",
+                1,
+                lambda: FullGraphLoop(pad_mlp(m()), data, LR).run,
+            ),
+            Variant(
+                "test/100",
+                "+ the test error every 100 epochs",
+                1,
+                lambda: FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run,
+            ),
+        ]
         if bf16_ok(ah.device.Hardware.here(data.device)):
-            rows.append(Variant("bf16", "+ bf16 autocast (chapter 04), fp32 weights", 1, lambda: autocast_bf16(
-                FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run, data.device), "bf16"))
+            rows.append(
+                Variant(
+                    "bf16",
+                    "+ bf16 autocast (chapter 04), fp32 weights",
+                    1,
+                    lambda: autocast_bf16(FullGraphLoop(pad_mlp(m()), data, LR, test_every=100).run, data.device),
+                    "bf16",
+                )
+            )
     models = lambda: [pad_mlp(ah.models.udl_mlp(DEPTH, seed=i)) for i in range(n_models)]
-    rows.append(Variant("many", f"padded, {n_models} models in one step, uncompiled", n_models,
-                        lambda: ManyModelsLoop(models(), data, LR).run))
+    rows.append(
+        Variant(
+            "many",
+            f"padded, {n_models} models in one step, uncompiled",
+            n_models,
+            lambda: ManyModelsLoop(models(), data, LR).run,
+        )
+    )
     return rows
 
 
-def prepare(variant: Variant, device: torch.device, round_s: float, min_steps: int
-            ) -> tuple[Callable[[], object], float, int]:
+def prepare(
+    variant: Variant, device: torch.device, round_s: float, min_steps: int
+) -> tuple[Callable[[], object], float, int]:
     """Build a row and warm it up (torch.compile compiles here); return (one round's call, warm-up seconds,
     steps per round): as many as last about `round_s` seconds, and at least `min_steps` unless those would take
     more than a second (a slow step is measured well by fewer)."""
@@ -427,27 +496,40 @@ def rounds_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds
     return times
 
 
-def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = True, rounds: int = 5,
-                  round_s: float = 1.0, min_steps: int = 20, peak_gflops: float | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+def run_fullbatch(
+    data: ah.data.Split,
+    *,
+    n_models: int = 8,
+    compile: bool = True,
+    rounds: int = 5,
+    round_s: float = 1.0,
+    min_steps: int = 20,
+    peak_gflops: float | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Every row in one process: warmed up, then `rounds` interleaved rounds; a JSON-ready result."""
     flops = ah.timing.mlp_flops(ah.models.udl_sizes(DEPTH), len(data.x_train))
     load_before = ah.timing.load_average()
     rows = variants(data, n_models, compile)
-    prepared = {v.name: prepare(v, data.device, round_s, min_steps)
-                for v in ah.session.progress(rows, "warm-up" if progress else False, unit="row")}
+    prepared = {
+        v.name: prepare(v, data.device, round_s, min_steps)
+        for v in ah.session.progress(rows, "warm-up" if progress else False, unit="row")
+    }
     n = 1024 if data.device.type == "cpu" else 8192  # peaks at the thread count the rows run at
     peaks = {"fp32": peak_gflops or ah.timing.matmul_gflops(n, data.device)}
     if any(v.precision == "bf16" for v in rows):
         peaks["bf16"] = ah.timing.matmul_gflops(n, data.device, dtype=torch.bfloat16)
     collections = {v.name: 0 for v in rows}
+
     def counted(name: str, fn: Callable[[], object]) -> Callable[[], object]:
         def run() -> object:
             before = gc.get_stats()[2]["collections"]
             out = fn()
             collections[name] += gc.get_stats()[2]["collections"] - before
             return out
+
         return run
+
     fns = {name: counted(name, fn) for name, (fn, _, _) in prepared.items()}
     times = rounds_of(fns, data.device, rounds)
     rates = {name: [steps / t for t in times[name]] for name, (_, _, steps) in prepared.items()}
@@ -456,42 +538,78 @@ def run_fullbatch(data: ah.data.Split, *, n_models: int = 8, compile: bool = Tru
     for v in rows:
         rs, ratios = rates[v.name], [r * v.n_models / b for r, b in zip(rates[v.name], naive)]
         msps = statistics.median(rs) * v.n_models
-        out.append({"name": v.name, "description": v.description, "n_models": v.n_models,
-                    "steps_per_s": statistics.median(rs), "steps_per_s_range": (min(rs), max(rs)),
-                    "model_steps_per_s": msps, "gflops": msps * flops / 1e9,
-                    "precision": v.precision, "fraction_of_peak": msps * flops / 1e9 / peaks[v.precision],
-                    "speedup_vs_naive": statistics.median(ratios), "speedup_range": (min(ratios), max(ratios)),
-                    "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600, "warmup_s": prepared[v.name][1],
-                    "steps_per_round": prepared[v.name][2], "full_collections": collections[v.name]})
-    return {"schema": "accel-course/bench-fullbatch/3", "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "hardware": ah.device.hardware_report(), "threads": torch.get_num_threads(),
-            "load": {"before": load_before, "after": ah.timing.load_average()}, "rounds": rounds,
-            "round_s": round_s, "min_steps": min_steps,
-            "workload": {"model": "udlbook MLP 4x63", "sizes": ah.models.udl_sizes(DEPTH),
-                         "batch": len(data.x_train), "lr": LR, "train_flops_per_model_step": flops},
-            "peak_gflops": peaks["fp32"], "peak_gflops_bf16": peaks.get("bf16"), "variants": out}
+        out.append(
+            {
+                "name": v.name,
+                "description": v.description,
+                "n_models": v.n_models,
+                "steps_per_s": statistics.median(rs),
+                "steps_per_s_range": (min(rs), max(rs)),
+                "model_steps_per_s": msps,
+                "gflops": msps * flops / 1e9,
+                "precision": v.precision,
+                "fraction_of_peak": msps * flops / 1e9 / peaks[v.precision],
+                "speedup_vs_naive": statistics.median(ratios),
+                "speedup_range": (min(ratios), max(ratios)),
+                "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600,
+                "warmup_s": prepared[v.name][1],
+                "steps_per_round": prepared[v.name][2],
+                "full_collections": collections[v.name],
+            }
+        )
+    return {
+        "schema": "accel-course/bench-fullbatch/3",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "hardware": ah.device.hardware_report(),
+        "threads": torch.get_num_threads(),
+        "load": {"before": load_before, "after": ah.timing.load_average()},
+        "rounds": rounds,
+        "round_s": round_s,
+        "min_steps": min_steps,
+        "workload": {
+            "model": "udlbook MLP 4x63",
+            "sizes": ah.models.udl_sizes(DEPTH),
+            "batch": len(data.x_train),
+            "lr": LR,
+            "train_flops_per_model_step": flops,
+        },
+        "peak_gflops": peaks["fp32"],
+        "peak_gflops_bf16": peaks.get("bf16"),
+        "variants": out,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
     """The ablation as a fixed-width text table: medians over the rounds, with the ranges."""
-    head = (f"{'row':10} {'models':>6} {'steps/s':>8} {'(range)':>11} {'model-steps/s':>13} {'of peak':>7} "
-            f"{'vs naive':>8} {'(range)':>11} {'steps/round':>11} {'full gc':>7} {'udlbook run':>11}")
+    head = (
+        f"{'row':10} {'models':>6} {'steps/s':>8} {'(range)':>11} {'model-steps/s':>13} {'of peak':>7} "
+        f"{'vs naive':>8} {'(range)':>11} {'steps/round':>11} {'full gc':>7} {'udlbook run':>11}"
+    )
     lines = [head, "-" * len(head)]
     for r in result["variants"]:
         lo, hi = r["steps_per_s_range"]
         rlo, rhi = r["speedup_range"]
-        lines.append(f"{r['name']:10} {r['n_models']:6d} {r['steps_per_s']:8.1f} {f'{lo:.0f}-{hi:.0f}':>11} "
-                     f"{r['model_steps_per_s']:13.1f} {r['fraction_of_peak']:7.1%} {r['speedup_vs_naive']:7.1f}x "
-                     f"{f'{rlo:.1f}-{rhi:.1f}x':>11} {r['steps_per_round']:11d} {r['full_collections']:7d} "
-                     f"{ah.timing.hours(r['original_experiment_h']):>11}")
-    lines.append(f"medians of {result['rounds']} interleaved rounds (at least {result['min_steps']} steps and about "
-                 f"{result['round_s']:.2g} s per row per round), {result['threads']} torch thread(s); 'full gc': the "
-                 f"garbage collector's full passes during the row's rounds")
-    bf16 = (f"; the bf16 row: of the bf16 matmul peak, {result['peak_gflops_bf16']:.1f} GFLOP/s"
-            if result.get("peak_gflops_bf16") else "")
-    lines.append(f"'of peak': of the fp32 matmul peak measured at the same {result['threads']} thread(s), "
-                 f"{result['peak_gflops']:.1f} GFLOP/s{bf16}; training FLOPs per model step: "
-                 f"{result['workload']['train_flops_per_model_step'] / 1e6:.1f} M")
+        lines.append(
+            f"{r['name']:10} {r['n_models']:6d} {r['steps_per_s']:8.1f} {f'{lo:.0f}-{hi:.0f}':>11} "
+            f"{r['model_steps_per_s']:13.1f} {r['fraction_of_peak']:7.1%} {r['speedup_vs_naive']:7.1f}x "
+            f"{f'{rlo:.1f}-{rhi:.1f}x':>11} {r['steps_per_round']:11d} {r['full_collections']:7d} "
+            f"{ah.timing.hours(r['original_experiment_h']):>11}"
+        )
+    lines.append(
+        f"medians of {result['rounds']} interleaved rounds (at least {result['min_steps']} steps and about "
+        f"{result['round_s']:.2g} s per row per round), {result['threads']} torch thread(s); 'full gc': the "
+        f"garbage collector's full passes during the row's rounds"
+    )
+    bf16 = (
+        f"; the bf16 row: of the bf16 matmul peak, {result['peak_gflops_bf16']:.1f} GFLOP/s"
+        if result.get("peak_gflops_bf16")
+        else ""
+    )
+    lines.append(
+        f"'of peak': of the fp32 matmul peak measured at the same {result['threads']} thread(s), "
+        f"{result['peak_gflops']:.1f} GFLOP/s{bf16}; training FLOPs per model step: "
+        f"{result['workload']['train_flops_per_model_step'] / 1e6:.1f} M"
+    )
     return "\n".join(lines)
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #567e1944

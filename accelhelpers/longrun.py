@@ -137,15 +137,19 @@ def _feed(h: Any, obj: Any, where: str) -> None:
     elif obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
         h.update(f"{type(obj).__name__}:{obj!r};".encode())
     else:
-        raise TypeError(f"{where} is a {type(obj).__name__}, which a safe (weights_only) load cannot read: "
-                        "use numbers, strings, tensors, and lists/tuples/dicts of them (e.g. torch.from_numpy(a))")
+        raise TypeError(
+            f"{where} is a {type(obj).__name__}, which a safe (weights_only) load cannot read: "
+            "use numbers, strings, tensors, and lists/tuples/dicts of them (e.g. torch.from_numpy(a))"
+        )
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e009
 def rng_state() -> dict[str, Any]:
     """The Python, NumPy, torch CPU and CUDA random states, in types `torch.load(weights_only=True)` accepts."""
     np_state = np.random.get_state(legacy=False)
-    np_state["state"] = {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-                         "pos": int(np_state["state"]["pos"])}
+    np_state["state"] = {
+        "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+        "pos": int(np_state["state"]["pos"]),
+    }
     cuda = [s.cpu() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
     return {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(), "cuda": cuda}
 
@@ -163,9 +167,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(cuda)
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e011
-def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None, scaler: Any = None, step: int = 0, extra: Any = None,
-                    keep: int | None = None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int = 0,
+    extra: Any = None,
+    keep: int | None = None,
+) -> Path:
     """Atomically save everything needed to resume exactly; `keep=n` then deletes all but the newest n
     step_*.pt files in the folder."""
     if not isinstance(model, nn.Module):
@@ -174,12 +185,17 @@ def save_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if keep is not None and (not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
-    state = {"format": FORMAT, "step": step, "torch": str(torch.__version__),
-             "model": unwrap(model).state_dict(),
-             "optimizer": optimizer.state_dict() if optimizer is not None else None,
-             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-             "scaler": scaler.state_dict() if scaler is not None else None,
-             "rng": rng_state(), "extra": extra}
+    state = {
+        "format": FORMAT,
+        "step": step,
+        "torch": str(torch.__version__),
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": rng_state(),
+        "extra": extra,
+    }
     state["sha256"] = digest(state)  # raises TypeError before anything is written if a value is not plain
     path = atomic_save(state, path)
     if keep is not None:
@@ -201,22 +217,30 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:
         why = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler" in line), str(e)[:200])
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated, corrupt, or holding objects a safe "
-                              f"load refuses: {type(e).__name__}: {why}); use an older checkpoint") from e
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated, corrupt, or holding objects a safe "
+            f"load refuses: {type(e).__name__}: {why}); use an older checkpoint"
+        ) from e
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not an accelhelpers checkpoint (no '{FORMAT}' format tag): "
-                              "write it with save_checkpoint")
+        raise CheckpointError(
+            f"{path} is not an accelhelpers checkpoint (no '{FORMAT}' format tag): write it with save_checkpoint"
+        )
     stored = state.pop("sha256", None)
     if stored != digest(state):
-        raise CheckpointError(f"checkpoint {path} is corrupt: its contents do not match the SHA-256 digest "
-                              "saved with them; use an older checkpoint")
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its contents do not match the SHA-256 digest "
+            "saved with them; use an older checkpoint"
+        )
     return state
 
 
 def _files(folder: Path) -> list[Path]:
     """The checkpoint files in `folder` (not the temporaries of a save in progress; none if it is no folder)."""
-    return [p for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".") and p.is_file()] \
-        if folder.is_dir() else []
+    return (
+        [p for p in folder.iterdir() if p.suffix in SUFFIXES and not p.name.startswith(".") and p.is_file()]
+        if folder.is_dir()
+        else []
+    )
 
 
 def latest_good_checkpoint(folder: str | Path, exclude: Iterable[str | Path] = ()) -> Path | None:
@@ -265,8 +289,9 @@ def make_run(seed: int = 0, total_steps: int = 64, rows: int = 256, batch: int =
     return RunState(model, opt, sched, loader, gen, seed)
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e014
-def train_step(run: RunState, xb: torch.Tensor, yb: torch.Tensor,
-               backward: Callable[[torch.Tensor], Any] | None = None) -> float:
+def train_step(
+    run: RunState, xb: torch.Tensor, yb: torch.Tensor, backward: Callable[[torch.Tensor], Any] | None = None
+) -> float:
     """One training step that draws from every global generator (built so, to show what each costs a resume);
     `backward` replaces `loss.backward()` (accelerate's `accelerator.backward`, say)."""
     noise = torch.from_numpy(np.random.standard_normal(xb.shape).astype(np.float32))  # NumPy's generator
@@ -332,9 +357,12 @@ def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.devi
         error, folder = e, path.parent
         if missing:  # one line naming the checkpoints that are there
             names = sorted(p.name for p in _files(folder))
-            error = CheckpointError(f"{e}; checkpoints in {folder}: {', '.join(names)} (pass one of them, or "
-                                    "fallback='always' to load the newest good one)" if names else
-                                    f"{e}; no checkpoint in {folder} yet")
+            error = CheckpointError(
+                f"{e}; checkpoints in {folder}: {', '.join(names)} (pass one of them, or "
+                "fallback='always' to load the newest good one)"
+                if names
+                else f"{e}; no checkpoint in {folder} yet"
+            )
         if fallback == "never" or path.is_dir() or (missing and fallback != "always"):
             raise error from e
         other = latest_good_checkpoint(path.parent, exclude=[path])
@@ -345,9 +373,17 @@ def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.devi
         return other, state
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None, scaler: Any = None, *, fallback: str = "damaged", restore_rng: bool = True,
-                    map_location: str | torch.device = "cpu") -> int:
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    *,
+    fallback: str = "damaged",
+    restore_rng: bool = True,
+    map_location: str | torch.device = "cpu",
+) -> int:
     """Restore model, optimizer, scheduler, scaler and RNG states from `path` and return the saved step. A missing
     file is an error listing the checkpoints there; a damaged one loads the newest good one in the same folder with
     a warning naming it (fallback='never' raises instead, fallback='always' also replaces a missing file)."""
@@ -372,8 +408,9 @@ def resume(run: RunState, path: str | Path, leave_out: str | None = None) -> Run
     that forgot it would."""
     if leave_out is not None and leave_out not in LEAVE_OUT:
         raise ValueError(f"leave_out must be None or one of {', '.join(LEAVE_OUT)}, got {leave_out!r}")
-    run.step = load_checkpoint(path, run.model, None if leave_out == "optimizer" else run.opt,
-                               None if leave_out == "scheduler" else run.sched)
+    run.step = load_checkpoint(
+        path, run.model, None if leave_out == "optimizer" else run.opt, None if leave_out == "scheduler" else run.sched
+    )
     reseed = {"python": random.seed, "numpy": np.random.seed, "torch": torch.manual_seed}
     if leave_out in reseed:
         reseed[leave_out](run.seed)  # where a fresh start leaves that generator
@@ -471,15 +508,18 @@ def bad_ranks(local_bad: bool, group: Any = None) -> list[int]:
     return [i for i, f in enumerate(flags.tolist()) if f]
 
 
-def check_finite(loss: torch.Tensor, model: nn.Module | None = None, step: int | None = None,
-                 group: Any = None) -> None:
+def check_finite(
+    loss: torch.Tensor, model: nn.Module | None = None, step: int | None = None, group: Any = None
+) -> None:
     """Raise NonFiniteError on every rank when the loss or a gradient is non-finite on any rank (costs one tiny
     all-reduce and a host sync): ranks that stopped alone would leave the others hanging in the next all-reduce."""
     ranks = bad_ranks(not is_finite(loss, model), group)
     if ranks:
         where = f" at step {step}" if step is not None else ""
-        raise NonFiniteError(f"non-finite loss or gradient{where} on rank(s) {ranks}: every rank stops here. "
-                             "Lower the learning rate, clip gradients, use loss scaling, or check the data.")
+        raise NonFiniteError(
+            f"non-finite loss or gradient{where} on rank(s) {ranks}: every rank stops here. "
+            "Lower the learning rate, clip gradients, use loss scaling, or check the data."
+        )
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e037
 @contextmanager
@@ -491,18 +531,26 @@ def peer_guard(what: str = "collective") -> Iterator[None]:
         if isinstance(e, (PeerFailure, NonFiniteError)):
             raise
         rank = dist.get_rank() if _distributed() else 0
-        raise PeerFailure(f"rank {rank}: {what} failed: a peer process died, left early or stopped responding "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Restart all workers "
-                          "(torchrun --max-restarts=N) and resume from the last checkpoint.") from e
+        raise PeerFailure(
+            f"rank {rank}: {what} failed: a peer process died, left early or stopped responding "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Restart all workers "
+            "(torchrun --max-restarts=N) and resume from the last checkpoint."
+        ) from e
 
 # %% ../notebooks/09_long_runs.ipynb #c9d0e040
-def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size: int = 1,
-                       on_backoff: Callable[[int, str], None] | None = None) -> tuple[Any, int]:
+def with_batch_backoff(
+    fn: Callable[[int], Any],
+    batch_size: int,
+    min_batch_size: int = 1,
+    on_backoff: Callable[[int, str], None] | None = None,
+) -> tuple[Any, int]:
     """Call `fn(batch_size)`; on out-of-memory free memory, halve the batch and retry down to `min_batch_size`.
     Returns (result, batch size that worked); other errors pass through untouched."""
     if not isinstance(batch_size, int) or not isinstance(min_batch_size, int) or not 1 <= min_batch_size <= batch_size:
-        raise ValueError(f"need ints 1 <= min_batch_size <= batch_size, got min_batch_size={min_batch_size!r}, "
-                         f"batch_size={batch_size!r}")
+        raise ValueError(
+            f"need ints 1 <= min_batch_size <= batch_size, got min_batch_size={min_batch_size!r}, "
+            f"batch_size={batch_size!r}"
+        )
     while True:
         try:
             return fn(batch_size), batch_size
@@ -512,8 +560,10 @@ def with_batch_backoff(fn: Callable[[int], Any], batch_size: int, min_batch_size
                 raise
             if batch_size == min_batch_size:
                 if hasattr(e, "add_note"):
-                    e.add_note(f"out of {kind} memory even at min_batch_size={min_batch_size}: use a smaller "
-                               "model, mixed precision or gradient accumulation")
+                    e.add_note(
+                        f"out of {kind} memory even at min_batch_size={min_batch_size}: use a smaller "
+                        "model, mixed precision or gradient accumulation"
+                    )
                 raise
         # outside the except block: the traceback (and the tensors its frames hold) is gone before freeing
         ah.device.free_memory()

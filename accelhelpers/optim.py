@@ -42,16 +42,18 @@ def decoupled_wd(p: torch.Tensor, lr: float, wd: float = 0.0, **_: Any) -> dict[
     return {}
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #76ab70b3
-def average_grad(grad: torch.Tensor, mom: float, grad_avg: torch.Tensor | None = None, dampen: bool = False,
-                 **_: Any) -> dict[str, Any]:
+def average_grad(
+    grad: torch.Tensor, mom: float, grad_avg: torch.Tensor | None = None, dampen: bool = False, **_: Any
+) -> dict[str, Any]:
     """Momentum: running average `mom * avg + grad` (`+ (1 - mom) * grad` if `dampen`), kept as `grad_avg`."""
     avg = torch.zeros_like(grad) if grad_avg is None else grad_avg
     avg.mul_(mom).add_(grad, alpha=(1 - mom) if dampen else 1.0)
     return {"grad_avg": avg}
 
 
-def average_sqr_grad(grad: torch.Tensor, sqr_mom: float, sqr_avg: torch.Tensor | None = None,
-                     **_: Any) -> dict[str, Any]:
+def average_sqr_grad(
+    grad: torch.Tensor, sqr_mom: float, sqr_avg: torch.Tensor | None = None, **_: Any
+) -> dict[str, Any]:
     """RMSProp/Adam's second moment: running average of squared gradients, kept as `sqr_avg`."""
     avg = torch.zeros_like(grad) if sqr_avg is None else sqr_avg
     avg.mul_(sqr_mom).addcmul_(grad, grad, value=1 - sqr_mom)
@@ -75,15 +77,31 @@ def momentum_step(p: torch.Tensor, lr: float, grad_avg: torch.Tensor, **_: Any) 
     return {}
 
 
-def rmsprop_step(p: torch.Tensor, grad: torch.Tensor, lr: float, sqr_avg: torch.Tensor, eps: float,
-                 grad_avg: torch.Tensor | None = None, **_: Any) -> dict[str, Any]:
+def rmsprop_step(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    lr: float,
+    sqr_avg: torch.Tensor,
+    eps: float,
+    grad_avg: torch.Tensor | None = None,
+    **_: Any,
+) -> dict[str, Any]:
     """RMSProp: divide the (averaged) gradient by the root of the averaged squared gradient."""
     p.addcdiv_(grad if grad_avg is None else grad_avg, sqr_avg.sqrt().add_(eps), value=-lr)
     return {}
 
 
-def adam_step(p: torch.Tensor, lr: float, mom: float, sqr_mom: float, eps: float, step: int,
-              grad_avg: torch.Tensor, sqr_avg: torch.Tensor, **_: Any) -> dict[str, Any]:
+def adam_step(
+    p: torch.Tensor,
+    lr: float,
+    mom: float,
+    sqr_mom: float,
+    eps: float,
+    step: int,
+    grad_avg: torch.Tensor,
+    sqr_avg: torch.Tensor,
+    **_: Any,
+) -> dict[str, Any]:
     """Adam: both averages divided by (1 - beta**step), their bias at step `step`, then an RMSProp step."""
     unbias1, unbias2 = 1 - mom**step, 1 - sqr_mom**step
     denom = (sqr_avg / unbias2).sqrt_().add_(eps)
@@ -130,23 +148,38 @@ class CallbackOptimizer(torch.optim.Optimizer):
         return loss
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #0b4ad14d
-def sgd(params: Iterable[Any], lr: float, mom: float = 0.0, wd: float = 0.0,
-        decouple_wd: bool = False) -> CallbackOptimizer:
+def sgd(
+    params: Iterable[Any], lr: float, mom: float = 0.0, wd: float = 0.0, decouple_wd: bool = False
+) -> CallbackOptimizer:
     """SGD (with momentum if `mom` > 0): equals torch.optim.SGD(lr, momentum=mom, weight_decay=wd)."""
     cbs = [decoupled_wd if decouple_wd else l2_penalty] + ([average_grad, momentum_step] if mom else [sgd_step])
     return CallbackOptimizer(params, cbs, lr=lr, mom=mom, wd=wd)
 
 
-def rmsprop(params: Iterable[Any], lr: float = 1e-2, sqr_mom: float = 0.99, eps: float = 1e-8, mom: float = 0.0,
-            wd: float = 0.0, decouple_wd: bool = False) -> CallbackOptimizer:
+def rmsprop(
+    params: Iterable[Any],
+    lr: float = 1e-2,
+    sqr_mom: float = 0.99,
+    eps: float = 1e-8,
+    mom: float = 0.0,
+    wd: float = 0.0,
+    decouple_wd: bool = False,
+) -> CallbackOptimizer:
     """RMSProp: equals torch.optim.RMSprop(lr, alpha=sqr_mom, eps) without momentum, fastai's RMSProp with it."""
     cbs = [decoupled_wd if decouple_wd else l2_penalty] + ([average_grad] if mom else [])
     cbs += [average_sqr_grad, rmsprop_step]
     return CallbackOptimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
 
 
-def adam(params: Iterable[Any], lr: float = 1e-3, mom: float = 0.9, sqr_mom: float = 0.999, eps: float = 1e-8,
-         wd: float = 0.0, decouple_wd: bool = True) -> CallbackOptimizer:
+def adam(
+    params: Iterable[Any],
+    lr: float = 1e-3,
+    mom: float = 0.9,
+    sqr_mom: float = 0.999,
+    eps: float = 1e-8,
+    wd: float = 0.0,
+    decouple_wd: bool = True,
+) -> CallbackOptimizer:
     """Adam with bias correction; decoupled `wd` makes it AdamW. Defaults are torch's (fastai: sqr_mom=0.99,
     eps=1e-5, wd=0.01)."""
     first_moment = partial(average_grad, dampen=True)  # Adam's: the gradient average with dampening 1 - mom
@@ -160,16 +193,23 @@ def set_hypers(opt: torch.optim.Optimizer, **hypers: float) -> None:
         group.update(hypers)
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #c1428eb8
-def max_param_gap(model_fn: Callable[[], nn.Module], make_a: Callable[[list[nn.Parameter]], Any],
-                  make_b: Callable[[list[nn.Parameter]], Any], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                  loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy, same_grads: bool = True) -> float:
+def max_param_gap(
+    model_fn: Callable[[], nn.Module],
+    make_a: Callable[[list[nn.Parameter]], Any],
+    make_b: Callable[[list[nn.Parameter]], Any],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[..., torch.Tensor] = nn.functional.cross_entropy,
+    same_grads: bool = True,
+) -> float:
     """Step two copies of `model_fn()` (it must seed its init) with two optimizers over `batches` and return the
     largest parameter difference. With `same_grads` both get the gradients of the first copy, so the result
     measures the update rules alone: training itself amplifies float rounding from step to step."""
     a, b = model_fn(), model_fn()
     if any(not torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters(), strict=True)):
-        raise ValueError("model_fn returned two differently initialised models; seed inside it "
-                         "(e.g. torch.manual_seed(0) before building the model)")
+        raise ValueError(
+            "model_fn returned two differently initialised models; seed inside it "
+            "(e.g. torch.manual_seed(0) before building the model)"
+        )
     opt_a, opt_b = make_a(list(a.parameters())), make_b(list(b.parameters()))
     for xb, yb in batches:
         for model, opt in ((a, opt_a), (b, opt_b)):
@@ -211,19 +251,22 @@ class LRFinderResult:
         return self.suggestions["valley"]
 
 
-def lr_suggestions(lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, skip_start: int = 10,
-                   skip_end: int = 5) -> dict[str, float]:
+def lr_suggestions(
+    lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray, skip_start: int = 10, skip_end: int = 5
+) -> dict[str, float]:
     """Three picks from a sweep, skipping its noisy first and last points: a tenth of the rate at the minimum
     loss, the steepest descent (most negative d loss / d log lr), and the middle of the longest valley."""
-    lr = np.asarray(lrs, float)[skip_start:len(lrs) - skip_end]
-    loss = np.asarray(losses, float)[skip_start:len(losses) - skip_end]
+    lr = np.asarray(lrs, float)[skip_start : len(lrs) - skip_end]
+    loss = np.asarray(losses, float)[skip_start : len(losses) - skip_end]
     bad = ~np.isfinite(loss)
     if bad.any():  # a diverged sweep: keep what came before the first inf/NaN
         cut = int(np.argmax(bad))
         lr, loss = lr[:cut], loss[:cut]
     if len(lr) < 3:
-        raise ValueError(f"an LR sweep needs at least {skip_start + skip_end + 3} finite points to suggest a rate, "
-                         f"got {len(lrs)}; use more iterations or a lower start_lr")
+        raise ValueError(
+            f"an LR sweep needs at least {skip_start + skip_end + 3} finite points to suggest a rate, "
+            f"got {len(lrs)}; use more iterations or a lower start_lr"
+        )
     slope = np.diff(loss) / np.diff(np.log(lr))
     length, start = [1] * len(loss), list(range(len(loss)))  # the valley: the longest decreasing subsequence
     for i in range(len(loss)):
@@ -232,14 +275,24 @@ def lr_suggestions(lrs: Sequence[float] | np.ndarray, losses: Sequence[float] | 
                 length[i], start[i] = length[j] + 1, start[j]
     last = int(np.argmax(length))
     first = start[last]
-    return {"minimum": float(lr[np.argmin(loss)] / 10), "steep": float(lr[np.argmin(slope)]),
-            "valley": float(lr[(first + last) // 2])}
+    return {
+        "minimum": float(lr[np.argmin(loss)] / 10),
+        "steep": float(lr[np.argmin(slope)]),
+        "valley": float(lr[(first + last) // 2]),
+    }
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #0326d63d
-def lr_find(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-            batches: Iterable[tuple[torch.Tensor, torch.Tensor]], opt: torch.optim.Optimizer,
-            start_lr: float = 1e-7, end_lr: float = 10.0, num_it: int = 100, beta: float = 0.98,
-            stop_factor: float = 4.0) -> LRFinderResult:
+def lr_find(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    opt: torch.optim.Optimizer,
+    start_lr: float = 1e-7,
+    end_lr: float = 10.0,
+    num_it: int = 100,
+    beta: float = 0.98,
+    stop_factor: float = 4.0,
+) -> LRFinderResult:
     """Train for `num_it` batches with the rate growing exponentially from `start_lr` to `end_lr`, smoothing
     the loss (debiased EWMA); stop when it exceeds `stop_factor` x its minimum. Model and optimizer state
     are restored afterwards."""
@@ -276,14 +329,22 @@ def cos_anneal(start: float, end: float, pos: float | np.ndarray) -> float | np.
     return start + (1 + np.cos(np.pi * (1 - np.asarray(pos)))) * (end - start) / 2
 
 
-def one_cycle(n_steps: int, lr_max: float, div: float = 25.0, div_final: float = 1e5, pct_start: float = 0.25,
-              moms: tuple[float, float, float] = (0.95, 0.85, 0.95)) -> tuple[np.ndarray, np.ndarray]:
+def one_cycle(
+    n_steps: int,
+    lr_max: float,
+    div: float = 25.0,
+    div_final: float = 1e5,
+    pct_start: float = 0.25,
+    moms: tuple[float, float, float] = (0.95, 0.85, 0.95),
+) -> tuple[np.ndarray, np.ndarray]:
     """The one-cycle policy (fastai's defaults) as per-step (lrs, moms): cosine warm-up from lr_max/div to
     lr_max over `pct_start` of the steps, then cosine down to lr_max/div_final; momentum does the reverse."""
     if n_steps < 1 or lr_max <= 0 or div <= 0 or div_final <= 0 or not 0 < pct_start < 1:
-        raise ValueError(f"one_cycle needs n_steps >= 1, lr_max, div, div_final > 0 and 0 < pct_start < 1; got "
-                         f"{n_steps=}, {lr_max=}, {div=}, {div_final=}, {pct_start=}")
-    pos = np.arange(n_steps) / n_steps          # fastai evaluates the schedule at i / n_steps
+        raise ValueError(
+            f"one_cycle needs n_steps >= 1, lr_max, div, div_final > 0 and 0 < pct_start < 1; got "
+            f"{n_steps=}, {lr_max=}, {div=}, {div_final=}, {pct_start=}"
+        )
+    pos = np.arange(n_steps) / n_steps  # fastai evaluates the schedule at i / n_steps
     warm = pos < pct_start
     p1, p2 = pos / pct_start, (pos - pct_start) / (1 - pct_start)
     lrs = np.where(warm, cos_anneal(lr_max / div, lr_max, p1), cos_anneal(lr_max, lr_max / div_final, p2))
@@ -291,8 +352,9 @@ def one_cycle(n_steps: int, lr_max: float, div: float = 25.0, div_final: float =
     return lrs, mom
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #36128c10
-def one_cycle_on_step(opt: torch.optim.Optimizer, n_steps: int, lr_max: float,
-                      **cycle_kw: Any) -> Callable[[int], None]:
+def one_cycle_on_step(
+    opt: torch.optim.Optimizer, n_steps: int, lr_max: float, **cycle_kw: Any
+) -> Callable[[int], None]:
     """An `on_step` for `ah.train.fit`: before step `it`, set the optimizer's lr and mom from `one_cycle`
     (n_steps = epochs x batches per epoch)."""
     lrs, moms = one_cycle(n_steps, lr_max, **cycle_kw)
@@ -303,9 +365,16 @@ def one_cycle_on_step(opt: torch.optim.Optimizer, n_steps: int, lr_max: float,
     return on_step
 
 
-def train_recipe(make_opt: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer], lr: float,
-                 model: nn.Module, split: ah.data.Split, epochs: int, bs: int, seed: int = 0,
-                 cycle: bool = False) -> ah.train.FitHistory:
+def train_recipe(
+    make_opt: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer],
+    lr: float,
+    model: nn.Module,
+    split: ah.data.Split,
+    epochs: int,
+    bs: int,
+    seed: int = 0,
+    cycle: bool = False,
+) -> ah.train.FitHistory:
     """Train `model` on `split` with `make_opt(params, lr)` in `ah.train.fit`; with `cycle`, one-cycle sets lr
     (peaking at `lr`) and mom before every step. Returns the per-epoch accuracy on the split's test part."""
     opt = make_opt(model.parameters(), lr)
@@ -324,12 +393,21 @@ def holdout(split: ah.data.Split, n_valid: int, seed: int = 0) -> ah.data.Split:
     return ah.data.Split(split.x_train[train], split.y_train[train], split.x_train[valid], split.y_train[valid])
 
 
-def lr_sweep(make_opt: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer], lrs: Sequence[float],
-             make_model: Callable[[int], nn.Module], split: ah.data.Split, epochs: int, bs: int,
-             seeds: Sequence[int], cycle: bool = False) -> dict[float, list[float]]:
+def lr_sweep(
+    make_opt: Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer],
+    lrs: Sequence[float],
+    make_model: Callable[[int], nn.Module],
+    split: ah.data.Split,
+    epochs: int,
+    bs: int,
+    seeds: Sequence[int],
+    cycle: bool = False,
+) -> dict[float, list[float]]:
     """Final accuracy on `split`'s test part (pass a `holdout`) for each rate in `lrs`, one per seed."""
-    return {lr: [train_recipe(make_opt, lr, make_model(s), split, epochs, bs, seed=s, cycle=cycle).final
-                 for s in seeds] for lr in lrs}
+    return {
+        lr: [train_recipe(make_opt, lr, make_model(s), split, epochs, bs, seed=s, cycle=cycle).final for s in seeds]
+        for lr in lrs
+    }
 
 
 def best_lr(scores: dict[float, list[float]]) -> float:
@@ -362,8 +440,9 @@ def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False) 
     with learn.no_bar(), learn.no_logging():
         (learn.fit_one_cycle if one_cycle else learn.fit)(epochs, lr, cbs=timer)
     values = learn.recorder.values  # per epoch: [train loss, valid loss, first metric]
-    return ah.train.FitHistory(acc=[float(v[2]) for v in values], loss=[float(v[1]) for v in values],
-                               seconds=timer.seconds)
+    return ah.train.FitHistory(
+        acc=[float(v[2]) for v in values], loss=[float(v[1]) for v in values], seconds=timer.seconds
+    )
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #8f4f8c01
 def median_range(values: Sequence[float]) -> tuple[float, float, float]:
@@ -377,5 +456,10 @@ def to_target_stats(histories: Sequence[ah.train.FitHistory], target: float) -> 
     accuracy, each as (median, lowest, highest)."""
     hits = [h.to_target(target) for h in histories]
     done = [(e, s) for e, s in hits if e is not None]
-    return {"reached": len(done), "runs": len(histories), "epochs": median_range([e for e, _ in done]),
-            "seconds": median_range([s for _, s in done]), "final_acc": median_range([h.final for h in histories])}
+    return {
+        "reached": len(done),
+        "runs": len(histories),
+        "epochs": median_range([e for e, _ in done]),
+        "seconds": median_range([s for _, s in done]),
+        "final_acc": median_range([h.final for h in histories]),
+    }

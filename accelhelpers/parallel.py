@@ -51,10 +51,12 @@ def toy_model(d_in: int = 8, seed: int = 0) -> nn.Sequential:
 def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's contiguous slice of a global batch along dim 1 (each rank gets batch // world rows)."""
     if not 0 <= rank < world or t.shape[1] % world:
-        raise ValueError(f"cannot split a global batch of {t.shape[1]} rows into {world} equal shards for rank "
-                         f"{rank}: use a batch divisible by the number of processes")
+        raise ValueError(
+            f"cannot split a global batch of {t.shape[1]} rows into {world} equal shards for rank "
+            f"{rank}: use a batch divisible by the number of processes"
+        )
     b = t.shape[1] // world
-    return t[:, rank * b:(rank + 1) * b]
+    return t[:, rank * b : (rank + 1) * b]
 
 
 def sgd_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 0.05, sync: Any = None) -> nn.Module:
@@ -88,8 +90,10 @@ def init_distributed(backend: str = "gloo", timeout_s: float = 60.0) -> tuple[in
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        raise RuntimeError(f"not started by torchrun: {', '.join(missing)} unset. Launch with "
-                           "`torchrun --nproc-per-node=2 script.py` (or set them yourself).")
+        raise RuntimeError(
+            f"not started by torchrun: {', '.join(missing)} unset. Launch with "
+            "`torchrun --nproc-per-node=2 script.py` (or set them yourself)."
+        )
     if not (dist.is_available() and dist.is_initialized()):
         timeout = datetime.timedelta(seconds=timeout_s)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -146,8 +150,12 @@ def setup_rank(timeout_s: float = 60.0, announce: bool = True) -> tuple[int, int
         torch.cuda.set_device(device)
     rank, world = init_distributed(backend, timeout_s)
     if announce and rank == 0:  # one write: another rank's output cannot cut the line
-        print(f"[rank0] {world} ranks, backend {backend}, "
-              f"{'one GPU per rank' if device.type == 'cuda' else 'on the CPU'}\n", end="", flush=True)
+        print(
+            f"[rank0] {world} ranks, backend {backend}, "
+            f"{'one GPU per rank' if device.type == 'cuda' else 'on the CPU'}\n",
+            end="",
+            flush=True,
+        )
     return rank, world, device
 
 # %% ../notebooks/06_distributed_data_parallel.ipynb #7cf5dc81
@@ -161,32 +169,40 @@ def scaling_summary(result: dict[str, Any], batch: int | None = None) -> dict[st
         raise ValueError("no results: pass the dictionary ddp_train.py wrote to ddp.json")
     batch = result["batch"] if batch is None else batch
     if str(batch) not in result["bench"]:
-        raise ValueError(f"no timing for per-rank batch {batch}: ddp_train.py timed "
-                         f"{', '.join(sorted(result['bench'], key=int))}")
+        raise ValueError(
+            f"no timing for per-rank batch {batch}: ddp_train.py timed {', '.join(sorted(result['bench'], key=int))}"
+        )
     t, world = result["bench"][str(batch)], result["world"]
 
     def stat(values: list[float]) -> dict[str, Any]:
         return {"median": statistics.median(values), "range": (min(values), max(values))}
 
-    out = {"world": world, "batch": batch, "rounds": len(t["ddp"]),
-           "step_ms": stat([1e3 * s for s in t["ddp"]]), "no_sync_ms": stat([1e3 * s for s in t["no_sync"]]),
-           "samples_per_s": stat([world * batch / s for s in t["ddp"]]),
-           "solo_samples_per_s": stat([batch / s for s in t["solo"]]),
-           "speedup": stat([world * solo / s for solo, s in zip(t["solo"], t["ddp"], strict=True)]),
-           "sync_share": stat([(s - n) / s for s, n in zip(t["ddp"], t["no_sync"], strict=True)])}
+    out = {
+        "world": world,
+        "batch": batch,
+        "rounds": len(t["ddp"]),
+        "step_ms": stat([1e3 * s for s in t["ddp"]]),
+        "no_sync_ms": stat([1e3 * s for s in t["no_sync"]]),
+        "samples_per_s": stat([world * batch / s for s in t["ddp"]]),
+        "solo_samples_per_s": stat([batch / s for s in t["solo"]]),
+        "speedup": stat([world * solo / s for solo, s in zip(t["solo"], t["ddp"], strict=True)]),
+        "sync_share": stat([(s - n) / s for s, n in zip(t["ddp"], t["no_sync"], strict=True)]),
+    }
     if t.get("solo_all"):
         out["all_cores_samples_per_s"] = stat([world * batch / s for s in t["solo_all"]])
         out["speedup_all_cores"] = stat([a / s for a, s in zip(t["solo_all"], t["ddp"], strict=True)])
     return out
 
 # %% ../notebooks/06_distributed_data_parallel.ipynb #ca83ec9e
-def train_mnist1d(batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0, width: int = 128,
-                  seed: int = 0) -> float:
+def train_mnist1d(
+    batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0, width: int = 128, seed: int = 0
+) -> float:
     """Train an MLP on MNIST-1D (SGD + momentum, in memory, reshuffled each epoch) and return its test accuracy;
     `warmup_epochs` ramps the learning rate linearly from lr/steps to lr over that many epochs (Goyal et al.)."""
     if batch < 1 or lr <= 0 or epochs < 1 or warmup_epochs < 0:
-        raise ValueError(f"need batch >= 1, lr > 0, epochs >= 1, warmup_epochs >= 0; got {batch}, {lr}, "
-                         f"{epochs}, {warmup_epochs}")
+        raise ValueError(
+            f"need batch >= 1, lr > 0, epochs >= 1, warmup_epochs >= 0; got {batch}, {lr}, {epochs}, {warmup_epochs}"
+        )
     with ah.session.threads(1):  # steps this small only lose to thread hand-offs, badly so on a busy machine
         torch.manual_seed(seed)
         model = ah.models.mlp([40, width, width, 10])
@@ -194,8 +210,9 @@ def train_mnist1d(batch: int, lr: float, epochs: int, warmup_epochs: float = 0.0
         data = ah.data.mnist1d()
         warm = max(1, round(warmup_epochs * (len(data.x_train) // batch)))  # warm-up length in steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm))
-        ah.train.fit(model, (data.x_train, data.y_train), opt, epochs, batch, seed=seed, scheduler=sched,
-                     drop_last=True)
+        ah.train.fit(
+            model, (data.x_train, data.y_train), opt, epochs, batch, seed=seed, scheduler=sched, drop_last=True
+        )
         return ah.metrics.model_accuracy(model, data.x_test, data.y_test)
 
 # %% ../notebooks/06_distributed_data_parallel.ipynb #8cdca659
@@ -237,8 +254,10 @@ def fit_ring_model(nbytes: list[float], seconds: list[float], world: int) -> tup
     """(latency s, bandwidth bytes/s) of the ring model fitted to measured all-reduce times: least squares on the
     relative error, so that every message size counts alike, small or large (a latency below zero is set to 0)."""
     if world < 2 or len(nbytes) != len(seconds) or len(nbytes) < 2 or min(seconds) <= 0:
-        raise ValueError(f"fit_ring_model needs world >= 2 and at least 2 sizes with positive times, got world="
-                         f"{world}, {len(nbytes)} sizes and {len(seconds)} times")
+        raise ValueError(
+            f"fit_ring_model needs world >= 2 and at least 2 sizes with positive times, got world="
+            f"{world}, {len(nbytes)} sizes and {len(seconds)} times"
+        )
     wire = torch.tensor([2 * (world - 1) / world * n for n in nbytes], dtype=torch.float64)
     t = torch.tensor(seconds, dtype=torch.float64)
     rows = torch.stack([1 / t, wire / t], 1)  # (latency + wire / bandwidth) / t should be 1

@@ -37,8 +37,12 @@ def ieee_facts(exp_bits: int, man_bits: int) -> dict[str, float]:
     """Largest value, smallest normal/subnormal and epsilon of an IEEE-style format (top exponent kept for inf/NaN)."""
     bias = 2 ** (exp_bits - 1) - 1
     emin = 1 - bias
-    return {"max": (2 - 2.0**-man_bits) * 2.0**bias, "smallest_normal": 2.0**emin,
-            "smallest_subnormal": 2.0 ** (emin - man_bits), "eps": 2.0**-man_bits}
+    return {
+        "max": (2 - 2.0**-man_bits) * 2.0**bias,
+        "smallest_normal": 2.0**emin,
+        "smallest_subnormal": 2.0 ** (emin - man_bits),
+        "eps": 2.0**-man_bits,
+    }
 
 # %% ../notebooks/04_mixed_precision.ipynb #ada45781
 def format_facts(name: str) -> dict[str, Any]:
@@ -50,9 +54,13 @@ def format_facts(name: str) -> dict[str, Any]:
     if dtype is None:
         return row | ieee_facts(e, m) | {"source": "formula"}
     fi = torch.finfo(dtype)
-    return row | {"max": float(fi.max), "smallest_normal": float(fi.smallest_normal),
-                  "smallest_subnormal": float(fi.smallest_normal) * float(fi.eps), "eps": float(fi.eps),
-                  "source": "torch.finfo"}
+    return row | {
+        "max": float(fi.max),
+        "smallest_normal": float(fi.smallest_normal),
+        "smallest_subnormal": float(fi.smallest_normal) * float(fi.eps),
+        "eps": float(fi.eps),
+        "source": "torch.finfo",
+    }
 
 
 def format_table(names: Iterable[str] = FORMATS) -> list[dict[str, Any]]:
@@ -75,8 +83,9 @@ def representable(dtype: torch.dtype) -> torch.Tensor:
     """Every finite, non-negative value of an 8- or 16-bit float dtype, sorted (by enumerating its bit patterns)."""
     bits = torch.finfo(dtype).bits if dtype.is_floating_point else 0
     if bits not in (8, 16):
-        raise ValueError(f"representable() enumerates 8- and 16-bit float dtypes, not {dtype}; "
-                         "use spacing() for wider formats")
+        raise ValueError(
+            f"representable() enumerates 8- and 16-bit float dtypes, not {dtype}; use spacing() for wider formats"
+        )
     ints = torch.arange(2**bits, dtype=torch.int32)
     pattern = ints.to(torch.uint8) if bits == 8 else ints.to(torch.int16)
     vals = pattern.view(dtype).double()
@@ -93,8 +102,9 @@ def scaled_backward(loss: torch.Tensor, params: Iterable[torch.Tensor], scale: f
     return all(bool(torch.isfinite(g).all()) for g in grads)
 
 # %% ../notebooks/04_mixed_precision.ipynb #3ee3b87e
-def gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None,
-              scale: float = 1.0) -> dict[str, torch.Tensor]:
+def gradients(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0
+) -> dict[str, torch.Tensor]:
     """One cross-entropy backward (under autocast to `dtype` if given, the loss multiplied by `scale`): the flattened
     parameter gradients and the gradients of every Linear/Conv output (what flows through 16-bit kernels under
     autocast), as float32 divided by `scale` again, as `GradScaler.unscale_` does."""
@@ -132,9 +142,12 @@ def cast_report(values: torch.Tensor, dtype: torch.dtype = torch.float16, scale:
         raise ValueError("cast_report got no non-zero values: pass real gradients, not zeros")
     c = (v * scale).to(dtype)
     tiny = torch.finfo(dtype).smallest_normal
-    return {"zero": (c == 0).double().mean().item(),
-            "subnormal": ((c != 0) & (c.abs() < tiny)).double().mean().item(),
-            "overflow": torch.isinf(c).double().mean().item(), "count": v.numel()}
+    return {
+        "zero": (c == 0).double().mean().item(),
+        "subnormal": ((c != 0) & (c.abs() < tiny)).double().mean().item(),
+        "overflow": torch.isinf(c).double().mean().item(),
+        "count": v.numel(),
+    }
 
 # %% ../notebooks/04_mixed_precision.ipynb #df9da05f
 @dataclass(frozen=True)
@@ -187,8 +200,7 @@ def auto_choice(hw: ah.device.Hardware) -> tuple[str, str]:
     raise ValueError(f"no precision policy for device type {kind!r}: use cuda, xla, mps or cpu")
 
 # %% ../notebooks/04_mixed_precision.ipynb #ddfd2624
-def policy_for(device: torch.device | str, prefer: str | None = None,
-               hw: ah.device.Hardware | None = None) -> Policy:
+def policy_for(device: torch.device | str, prefer: str | None = None, hw: ah.device.Hardware | None = None) -> Policy:
     """The mixed-precision policy for `device`: CUDA bf16 from sm 8.0 else fp16 + scaler, CPU bf16, XLA bf16,
     MPS fp16 + scaler (from `hw`, default this machine's hardware); `prefer` ('bf16', 'fp16', 'fp32') overrides,
     with a clear error where it cannot work."""
@@ -200,15 +212,18 @@ def policy_for(device: torch.device | str, prefer: str | None = None,
     hw = replace(ah.device.Hardware.here(kind) if hw is None else hw, kind=kind)
     name, reason = (prefer, "asked for") if prefer else auto_choice(hw)
     if kind == "cuda" and name == "bf16" and not hw.bf16_native:
-        raise ValueError(f"this CUDA GPU ({hw.gpu or 'compute capability below 8.0'}) does not support bf16 in "
-                         "hardware: use prefer='fp16' (with the scaler) or 'fp32'")
+        raise ValueError(
+            f"this CUDA GPU ({hw.gpu or 'compute capability below 8.0'}) does not support bf16 in "
+            "hardware: use prefer='fp16' (with the scaler) or 'fp32'"
+        )
     if kind == "xla" and name == "fp16":
         raise ValueError("XLA autocast runs in bf16: use prefer='bf16' or 'fp32' on a TPU")
     return Policy(kind, _DTYPES[name], name == "fp16", reason)
 
 # %% ../notebooks/04_mixed_precision.ipynb #b6b3bf49
-def minibatch_step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any,
-                   scaler: Any) -> torch.Tensor:
+def minibatch_step(
+    model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tensor, yb: torch.Tensor, policy: Any, scaler: Any
+) -> torch.Tensor:
     """One optimizer step; under a policy, the mixed-precision recipe of chapter 04 (autocast, scaled loss).
     Returns the loss."""
     with policy.autocast() if policy is not None else nullcontext():  # the policy's low-precision forward pass
@@ -218,14 +233,22 @@ def minibatch_step(model: nn.Module, opt: torch.optim.Optimizer, xb: torch.Tenso
         loss.backward()
         opt.step()
         return loss
-    scaler.scale(loss).backward()      # fp16: scale the loss so small gradients do not flush to zero
-    scaler.step(opt)                   # unscale; skip the step if a gradient overflowed
-    scaler.update()                    # grow or shrink the scale for the next step
+    scaler.scale(loss).backward()  # fp16: scale the loss so small gradients do not flush to zero
+    scaler.step(opt)  # unscale; skip the step if a gradient overflowed
+    scaler.update()  # grow or shrink the scale for the next step
     return loss
 
 # %% ../notebooks/04_mixed_precision.ipynb #b524d4da
-def scaler_trace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, *, lr: float = 1e-3,
-                 init_scale: float = 2.0**24, growth_interval: int = 20) -> list[dict[str, float]]:
+def scaler_trace(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    *,
+    lr: float = 1e-3,
+    init_scale: float = 2.0**24,
+    growth_interval: int = 20,
+) -> list[dict[str, float]]:
     """Train `model` with fp16 autocast and a dynamic `torch.amp.GradScaler`, recording each step's scale, whether
     the scaler skipped the step (inf/NaN gradients: the scale is halved) and the loss."""
     if steps < 1:
@@ -312,8 +335,9 @@ def checkpointed(model: nn.Sequential, x: torch.Tensor, segments: int | None) ->
     return checkpoint_sequential(model, segments, x, use_reentrant=False)
 
 # %% ../notebooks/04_mixed_precision.ipynb #a4a1cf79
-def matmul_precision(n: int = 1024, device: torch.device | str = "cpu", rounds: int = 3,
-                     min_time: float = 0.05) -> list[dict[str, Any]]:
+def matmul_precision(
+    n: int = 1024, device: torch.device | str = "cpu", rounds: int = 3, min_time: float = 0.05
+) -> list[dict[str, Any]]:
     """fp32 matmul under each `torch.set_float32_matmul_precision` setting ('high' allows TF32 on Ampere+ GPUs):
     GFLOP/s (median of interleaved rounds), speed-up over 'highest' (median, lowest, highest round) and largest
     error against float64 relative to the largest entry; the setting is restored afterwards."""
@@ -329,6 +353,7 @@ def matmul_precision(n: int = 1024, device: torch.device | str = "cpu", rounds: 
         def mm() -> torch.Tensor:
             torch.set_float32_matmul_precision(setting)
             return a @ b
+
         return mm
 
     try:
@@ -336,5 +361,12 @@ def matmul_precision(n: int = 1024, device: torch.device | str = "cpu", rounds: 
         t = ah.timing.interleaved({s: under(s) for s in settings}, device, rounds=rounds, min_time=min_time)
     finally:
         torch.set_float32_matmul_precision(old)
-    return [{"setting": s, "gflops": 2 * n**3 / t[s].median / 1e9, "rel_error": err[s],
-             "speedup": ah.timing.round_ratios(t["highest"], t[s])} for s in settings]
+    return [
+        {
+            "setting": s,
+            "gflops": 2 * n**3 / t[s].median / 1e9,
+            "rel_error": err[s],
+            "speedup": ah.timing.round_ratios(t["highest"], t[s]),
+        }
+        for s in settings
+    ]

@@ -27,7 +27,7 @@ from torch import nn
 
 import accelhelpers as ah
 
-_ATTENTION = ("plain", "sdpa")   # the two ways CausalSelfAttention computes attention
+_ATTENTION = ("plain", "sdpa")  # the two ways CausalSelfAttention computes attention
 
 # %% ../notebooks/11_speedrun.ipynb #d7036e15
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Language:
     *and* on the topic, which only the context reveals."""
 
     transitions: np.ndarray  # [topics, vocab, vocab]: row v of chain k is P(next token | token v, topic k)
-    start: np.ndarray        # [topics, vocab]: each chain's stationary distribution
+    start: np.ndarray  # [topics, vocab]: each chain's stationary distribution
 
     @property
     def vocab(self) -> int:
@@ -50,14 +50,17 @@ class Language:
         return self.transitions.shape[0]
 
 
-def make_language(vocab: int = 16, topics: int = 4, successors: int = 3, seed: int = 0,
-                  smooth: float = 0.02) -> Language:
+def make_language(
+    vocab: int = 16, topics: int = 4, successors: int = 3, seed: int = 0, smooth: float = 0.02
+) -> Language:
     """Random chains, the same on every machine: in each topic, each token leads to `successors` likely next tokens
     (random weights), plus `smooth` of the probability spread over all tokens (no continuation is impossible, and
     each chain has one stationary distribution). Drawn from NumPy's PCG64 uniforms only."""
     if vocab < 2 or topics < 1 or not 1 <= successors <= vocab or not 0 < smooth < 1:
-        raise ValueError(f"make_language needs vocab >= 2, topics >= 1, 1 <= successors <= vocab and 0 < smooth < 1;"
-                         f" got vocab={vocab}, topics={topics}, successors={successors}, smooth={smooth}")
+        raise ValueError(
+            f"make_language needs vocab >= 2, topics >= 1, 1 <= successors <= vocab and 0 < smooth < 1;"
+            f" got vocab={vocab}, topics={topics}, successors={successors}, smooth={smooth}"
+        )
     rng = np.random.default_rng(seed)
     probs = np.full((topics, vocab, vocab), smooth / vocab)
     for k in range(topics):
@@ -101,12 +104,12 @@ def bayes_loss(lang: Language, tokens: torch.Tensor, per_position: bool = False)
     chains and infers each sequence's topic from the context so far (uniform prior over topics). With
     `per_position`, the mean at each predicted position instead (an array)."""
     x = np.asarray(tokens)
-    loglik = np.log(lang.start[:, x[:, 0]]).T                         # [n, topics]: log P(context so far | topic)
+    loglik = np.log(lang.start[:, x[:, 0]]).T  # [n, topics]: log P(context so far | topic)
     nll = np.empty((x.shape[0], x.shape[1] - 1))
     for t in range(1, x.shape[1]):
         post = np.exp(loglik - loglik.max(1, keepdims=True))
-        post /= post.sum(1, keepdims=True)                            # P(topic | context so far)
-        step = lang.transitions[:, x[:, t - 1], x[:, t]].T            # [n, topics]: P(this token | previous, topic)
+        post /= post.sum(1, keepdims=True)  # P(topic | context so far)
+        step = lang.transitions[:, x[:, t - 1], x[:, t]].T  # [n, topics]: P(this token | previous, topic)
         nll[:, t - 1] = -np.log((post * step).sum(1))
         loglik += np.log(step)
     return nll.mean(0) if per_position else float(nll.mean())
@@ -117,7 +120,7 @@ def previous_token_loss(lang: Language, tokens: torch.Tensor) -> float:
     averaged out. Every position's token follows its chain's stationary distribution, so P(topic | token) is the
     same at every position and this predictor is exact."""
     x = np.asarray(tokens)
-    topic_given_token = lang.start / lang.start.sum(0)               # [topics, vocab], uniform prior over topics
+    topic_given_token = lang.start / lang.start.sum(0)  # [topics, vocab], uniform prior over topics
     bigram = np.einsum("kv,kvw->vw", topic_given_token, lang.transitions)
     return float(-np.log(bigram[x[:, :-1], x[:, 1:]]).mean())
 
@@ -127,7 +130,7 @@ class GPTConfig:
     """The shape of a decoder-only transformer (nanoGPT's names)."""
 
     vocab: int = 16
-    context: int = 32   # the block size: the longest sequence the model reads
+    context: int = 32  # the block size: the longest sequence the model reads
     n_layer: int = 2
     n_head: int = 4
     n_embd: int = 64
@@ -145,16 +148,15 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)     # q, k and v in one matmul
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # q, k and v in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.register_buffer("causal", torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril(),
-                             persistent=False)
+        self.register_buffer("causal", torch.ones(cfg.context, cfg.context, dtype=torch.bool).tril(), persistent=False)
         self.kind, self.backends = "plain", None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.c_attn(x).split(c, dim=2)
-        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)   # [b, heads, t, head size]
+        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # [b, heads, t, head size]
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         if self.kind == "sdpa":
@@ -166,10 +168,10 @@ class CausalSelfAttention(nn.Module):
                 with sdpa_kernel(self.backends):
                     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))          # [b, heads, t, t]
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # [b, heads, t, t]
             att = att.masked_fill(~self.causal[:t, :t], float("-inf")).softmax(dim=-1)
             y = att @ v
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))            # heads side by side again
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))  # heads side by side again
 
 
 class MLP(nn.Module):
@@ -208,9 +210,9 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
-        self.lm_head.weight = self.wte.weight                  # weight tying: one matrix, two uses
+        self.lm_head.weight = self.wte.weight  # weight tying: one matrix, two uses
         self.apply(self._init)
-        for name, p in self.named_parameters():                # nanoGPT's smaller init of the residual projections
+        for name, p in self.named_parameters():  # nanoGPT's smaller init of the residual projections
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
 
@@ -256,22 +258,22 @@ def flops_per_token(cfg: GPTConfig, training: bool = True) -> int:
     return 3 * forward if training else forward
 
 # %% ../notebooks/11_speedrun.ipynb #50b7ab4b
-_GRAPH_MODES = ("reduce-overhead", "max-autotune")   # torch.compile modes that record CUDA graphs
-_BACKENDS = ("flash", "efficient", "cudnn", "math")         # SDPA backends a row can force (CUDA)
+_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
+_BACKENDS = ("flash", "efficient", "cudnn", "math")  # SDPA backends a row can force (CUDA)
 
 
 @dataclass(frozen=True)
 class Recipe:
     """Every switch a row of the speedrun table can change; the defaults are the baseline."""
 
-    attention: str = "plain"      # 'plain': softmax(q kᵀ) v written out; 'sdpa': F.scaled_dot_product_attention
-    backend: str | None = None    # force one SDPA backend (CUDA): 'flash', 'efficient', 'cudnn'; None: PyTorch picks
-    precision: str = "fp32"       # 'fp32', or 'mixed': this device's autocast policy (chapter 04)
-    compile: str | None = None    # None: eager; 'default' or a torch.compile mode ('reduce-overhead': CUDA graphs)
-    optimizer: str = "default"    # AdamW: 'default' (PyTorch's choice for the device), 'foreach' or 'fused'
-    batch_scale: int = 1          # batch x k and learning rate x k: chapter 06's linear rule
-    lr_scale: float = 1.0         # the learning rate x this, on top
-    world: int = 1                # processes; above 1: DDP, one rank per device
+    attention: str = "plain"  # 'plain': softmax(q kᵀ) v written out; 'sdpa': F.scaled_dot_product_attention
+    backend: str | None = None  # force one SDPA backend (CUDA): 'flash', 'efficient', 'cudnn'; None: PyTorch picks
+    precision: str = "fp32"  # 'fp32', or 'mixed': this device's autocast policy (chapter 04)
+    compile: str | None = None  # None: eager; 'default' or a torch.compile mode ('reduce-overhead': CUDA graphs)
+    optimizer: str = "default"  # AdamW: 'default' (PyTorch's choice for the device), 'foreach' or 'fused'
+    batch_scale: int = 1  # batch x k and learning rate x k: chapter 06's linear rule
+    lr_scale: float = 1.0  # the learning rate x this, on top
+    world: int = 1  # processes; above 1: DDP, one rank per device
 
     def __post_init__(self) -> None:
         """Refuse a switch set to something the trainer does not know, naming what it accepts."""
@@ -284,8 +286,12 @@ class Recipe:
 
 def switch_problem(name: str, value: Any) -> str | None:
     """What is wrong with setting switch `name` of a Recipe to `value`, or None."""
-    allowed = {"attention": _ATTENTION, "backend": (None, *_BACKENDS), "precision": ("fp32", "mixed"),
-               "optimizer": ("default", "foreach", "fused")}
+    allowed = {
+        "attention": _ATTENTION,
+        "backend": (None, *_BACKENDS),
+        "precision": ("fp32", "mixed"),
+        "optimizer": ("default", "foreach", "fused"),
+    }
     if name in allowed:
         ok = value in allowed[name]
         return None if ok else f"{name}={value!r} (use one of {', '.join(map(repr, allowed[name]))})"
@@ -369,9 +375,9 @@ def plan(rows: Sequence[Row], hw: ah.device.Hardware, devices: int) -> list[Plan
 class Hyper:
     """The baseline's training settings; a row's recipe scales the batch and the learning rate."""
 
-    batch: int = 32                        # sequences per optimizer step, all ranks together
+    batch: int = 32  # sequences per optimizer step, all ranks together
     lr: float = 4e-3
-    warmup: int = 10                       # steps of linear learning-rate warm-up
+    warmup: int = 10  # steps of linear learning-rate warm-up
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
 
@@ -397,14 +403,15 @@ class Trainer:
     """One recipe made real: the model with its attention, compiled and/or wrapped in DDP, the precision policy,
     AdamW and the warm-up. Built (and compiled) once; `reset(seed)` starts a fresh run on the same code."""
 
-    def __init__(self, recipe: Recipe, cfg: GPTConfig, hyper: Hyper, train: torch.Tensor,
-                 device: torch.device | str):
+    def __init__(self, recipe: Recipe, cfg: GPTConfig, hyper: Hyper, train: torch.Tensor, device: torch.device | str):
         self.recipe, self.cfg, self.hyper, self.device = recipe, cfg, hyper, torch.device(device)
         self.world, self.rank = recipe.world, 0
         if self.world > 1:
             if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != self.world:
-                raise RuntimeError(f"a recipe with world={self.world} runs in {self.world} ranks that torchrun "
-                                   "started and ah.parallel.setup_rank() joined")
+                raise RuntimeError(
+                    f"a recipe with world={self.world} runs in {self.world} ranks that torchrun "
+                    "started and ah.parallel.setup_rank() joined"
+                )
             self.rank = dist.get_rank()
         self.batch = hyper.batch * recipe.batch_scale
         if self.batch % self.world:
@@ -430,30 +437,31 @@ class Trainer:
         """A fresh run: the seed's initial weights, a new AdamW, warm-up and scaler, and the seed's batch order."""
         self.model.load_state_dict(initial_weights(self.cfg, seed))
         impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.recipe.optimizer]
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, betas=self.hyper.betas,
-                                     weight_decay=self.hyper.weight_decay, **impl)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=self.lr, betas=self.hyper.betas, weight_decay=self.hyper.weight_decay, **impl
+        )
         warmup = max(self.hyper.warmup, 1)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: min(1.0, (step + 1) / warmup))
         self.scaler = self.policy.grad_scaler()
-        self.gen = torch.Generator(self.device).manual_seed(seed)   # the same global batches on every rank
+        self.gen = torch.Generator(self.device).manual_seed(seed)  # the same global batches on every rank
         self.steps = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of the next global batch: inputs and targets [local batch, context]."""
         idx = torch.randint(0, len(self.train), (self.batch,), device=self.device, generator=self.gen)
-        rows = self.train[idx[self.rank * self.local_batch:(self.rank + 1) * self.local_batch]]
+        rows = self.train[idx[self.rank * self.local_batch : (self.rank + 1) * self.local_batch]]
         return rows[:, :-1], rows[:, 1:]
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on (x, y); returns the loss (on the device: reading it would sync)."""
         if self.recipe.compile:
-            ah.internals.mark_dynamic(x, 0)                  # one compile serves every batch size
+            ah.internals.mark_dynamic(x, 0)  # one compile serves every batch size
             ah.internals.mark_dynamic(y, 0)
             if self.recipe.compile in _GRAPH_MODES:
                 torch.compiler.cudagraph_mark_step_begin()
         with self.policy.autocast():
             loss = self.net(x, y)
-        self.scaler.scale(loss).backward()                  # fp16: the scaled loss; otherwise the loss itself
+        self.scaler.scale(loss).backward()  # fp16: the scaled loss; otherwise the loss itself
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
@@ -477,8 +485,12 @@ def sdpa_backend(name: str) -> Any:
     """The `torch.nn.attention.SDPBackend` called `name` ('flash', 'efficient', 'cudnn', 'math')."""
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
 
 # %% ../notebooks/11_speedrun.ipynb #2b260bad
 def warm_up(tr: Trainer, steps: int = 3) -> float:
@@ -522,12 +534,13 @@ class TargetRun:
     seed: int
     reached: bool
     steps: int
-    seconds: float      # training time: device synced, the clock stopped while the validation loss is computed
-    loss: float         # the last validation loss
+    seconds: float  # training time: device synced, the clock stopped while the validation loss is computed
+    loss: float  # the last validation loss
 
 
-def run_to_target(tr: Trainer, seed: int, val: torch.Tensor, target: float, every: int, max_seconds: float,
-                  max_steps: int = 1_000_000) -> TargetRun:
+def run_to_target(
+    tr: Trainer, seed: int, val: torch.Tensor, target: float, every: int, max_seconds: float, max_steps: int = 1_000_000
+) -> TargetRun:
     """Train from the seed's start until the validation loss, checked every `every` steps, is at or below `target`;
     give up past `max_seconds` of training, `max_steps` steps or a non-finite loss. On several ranks every rank takes
     the same decision (the loss is averaged, the clock is the slowest rank's)."""
@@ -540,12 +553,12 @@ def run_to_target(tr: Trainer, seed: int, val: torch.Tensor, target: float, ever
         for _ in range(every):
             tr.step(*tr.next_batch())
         ah.timing.sync(tr.device)
-        clock += time.perf_counter() - t0                   # the clock stops here ...
+        clock += time.perf_counter() - t0  # the clock stops here ...
         if tr.world > 1:
             slowest = torch.tensor([clock], dtype=torch.float64, device=tr.device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             clock = slowest.item()
-        loss = tr.evaluate(val)                             # ... while the validation loss is computed
+        loss = tr.evaluate(val)  # ... while the validation loss is computed
         if loss <= target or not math.isfinite(loss) or clock >= max_seconds or tr.steps >= max_steps:
             return TargetRun(seed, loss <= target, tr.steps, clock, loss)
 
@@ -557,11 +570,11 @@ class RowResult:
     name: str
     change: str
     recipe: Recipe | None = None
-    dtype: str = "fp32"                                       # what its matmuls compute in: fp32, bf16 or fp16
+    dtype: str = "fp32"  # what its matmuls compute in: fp32, bf16 or fp16
     skipped: str | None = None
     failed: str | None = None
-    tokens_per_s: list[float] = field(default_factory=list)   # one per interleaved round
-    reference: list[float] = field(default_factory=list)      # the row above, same rounds (rows run in other processes)
+    tokens_per_s: list[float] = field(default_factory=list)  # one per interleaved round
+    reference: list[float] = field(default_factory=list)  # the row above, same rounds (rows run in other processes)
     peak_bytes: int | None = None
     compile_s: float | None = None
     runs: list[TargetRun] = field(default_factory=list)
@@ -618,8 +631,13 @@ def says(ratios: tuple[float, float, float] | None) -> str:
     if ratios is None:
         return "no comparison (a row did not reach the target)"
     med, lo, hi = ratios
-    word = ("faster on every seed" if lo > 1 else "slower on every seed" if hi < 1 else
-            "seeds disagree: no reliable difference")
+    word = (
+        "faster on every seed"
+        if lo > 1
+        else "slower on every seed"
+        if hi < 1
+        else "seeds disagree: no reliable difference"
+    )
     return f"{med:.2f}x ({lo:.2f}-{hi:.2f}), {word}"
 
 
@@ -631,8 +649,10 @@ def _fmt_range(values: Sequence[float], fmt: str) -> str:
 def table(results: Sequence[RowResult], flops_token: int, peaks: dict[str, float]) -> str:
     """The speedrun table as text: one line per row, in order; skipped and failed rows say so, and a row that did
     not reach the target on every seed says on how many it did."""
-    head = (f"{'row':<22} {'tokens/s median (range)':>26} {'MFU':>7} {'step MB':>8} {'compile s':>9} "
-            f"{'steps':>6} {'time to target s, median (range)':>34}  vs the row above")
+    head = (
+        f"{'row':<22} {'tokens/s median (range)':>26} {'MFU':>7} {'step MB':>8} {'compile s':>9} "
+        f"{'steps':>6} {'time to target s, median (range)':>34}  vs the row above"
+    )
     lines, previous = [head, "-" * len(head)], None
     for res in results:
         if not res.ran:
@@ -647,7 +667,9 @@ def table(results: Sequence[RowResult], flops_token: int, peaks: dict[str, float
         else:
             ttt = f"not reached on {sum(not r.reached for r in res.runs)} of {len(res.runs)} seeds"
         versus = "baseline" if previous is None else says(paired(previous, res))
-        lines.append(f"{res.name:<22} {_fmt_range(res.tokens_per_s, '{:,.0f}'):>26} "
-                     f"{util[0]:>7.2%} {mem:>8} {comp:>9} {steps:>6} {ttt:>34}  {versus}")
+        lines.append(
+            f"{res.name:<22} {_fmt_range(res.tokens_per_s, '{:,.0f}'):>26} "
+            f"{util[0]:>7.2%} {mem:>8} {comp:>9} {steps:>6} {ttt:>34}  {versus}"
+        )
         previous = res
     return "\n".join(lines)

@@ -25,8 +25,9 @@ def sync(device: torch.device | str) -> None:
     try:
         kind = torch.device(device).type
     except (RuntimeError, TypeError) as e:  # torch's own message lists every device type it knows
-        raise ValueError(f"device={device!r} is not a device: choose one of cuda, xla, mps, cpu "
-                         "(optionally with ':N')") from e
+        raise ValueError(
+            f"device={device!r} is not a device: choose one of cuda, xla, mps, cpu (optionally with ':N')"
+        ) from e
     if kind == "cuda":
         torch.cuda.synchronize(device)
     elif kind == "mps":
@@ -35,7 +36,7 @@ def sync(device: torch.device | str) -> None:
         import torch_xla
         import torch_xla.core.xla_model as xm
 
-        torch_xla.sync()     # XLA is lazy: cut the recorded graph and launch it...
+        torch_xla.sync()  # XLA is lazy: cut the recorded graph and launch it...
         xm.wait_device_ops()  # ...then wait for the device to finish it
 
 # %% ../notebooks/01_hardware_and_timing.ipynb #785e4e1b
@@ -77,8 +78,10 @@ class Timing:
         return max(self.times)
 
     def __str__(self) -> str:
-        return (f"{_fmt_seconds(self.median)} median (range {_fmt_seconds(self.best)} to {_fmt_seconds(self.worst)}, "
-                f"{len(self.times)} repeats of {self.calls_per_repeat} calls)")
+        return (
+            f"{_fmt_seconds(self.median)} median (range {_fmt_seconds(self.best)} to {_fmt_seconds(self.worst)}, "
+            f"{len(self.times)} repeats of {self.calls_per_repeat} calls)"
+        )
 
 
 def _fmt_seconds(s: float) -> str:
@@ -89,8 +92,15 @@ def _fmt_seconds(s: float) -> str:
     return f"{s / 1e-9:.3g} ns"
 
 # %% ../notebooks/01_hardware_and_timing.ipynb #1f18c085
-def benchmark(fn: Callable[[], object], device: torch.device | str = "cpu", *, warmup: int = 3,
-              repeats: int = 7, min_time: float = 0.05, max_calls: int = 1_000_000) -> Timing:
+def benchmark(
+    fn: Callable[[], object],
+    device: torch.device | str = "cpu",
+    *,
+    warmup: int = 3,
+    repeats: int = 7,
+    min_time: float = 0.05,
+    max_calls: int = 1_000_000,
+) -> Timing:
     """Time `fn()` properly: warm up, calibrate the calls per repeat to last `min_time`, sync the device before
     every clock read, and return the per-call times of `repeats` repeats."""
     if repeats < 1 or warmup < 0 or min_time < 0:
@@ -140,8 +150,10 @@ class Noise:
         """One line for the chapter and the report."""
         state = "TOO NOISY to trust small differences" if self.noisy else "quiet enough"
         ref = f"{self.reference_s[0] * 1e3:.3g} -> {self.reference_s[1] * 1e3:.3g} ms"
-        return (f"{state}: load average {self.load[0]:.1f} -> {self.load[1]:.1f} on {self.cores} cores, reference "
-                f"matmul {ref} ({self.drift:.0%} drift)")
+        return (
+            f"{state}: load average {self.load[0]:.1f} -> {self.load[1]:.1f} on {self.cores} cores, reference "
+            f"matmul {ref} ({self.drift:.0%} drift)"
+        )
 
 
 def load_average() -> float | None:
@@ -168,13 +180,13 @@ def noise_watch() -> Iterator[Noise]:
     noise.load, noise.reference_s = (load0, load_average() or 0.0), (ref0, _reference_kernel())
 
 # %% ../notebooks/01_hardware_and_timing.ipynb #9b61e456
-def interleaved(fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5,
-                min_time: float = 0.05) -> dict[str, Timing]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], device: torch.device | str = "cpu", rounds: int = 5, min_time: float = 0.05
+) -> dict[str, Timing]:
     """Time several functions in alternating rounds, so that background load hits all of them alike; a Timing each."""
     if not fns or rounds < 1:
         raise ValueError("interleaved needs at least one function and rounds >= 1")
-    calls = {k: benchmark(fn, device, warmup=2, repeats=1, min_time=min_time).calls_per_repeat
-             for k, fn in fns.items()}
+    calls = {k: benchmark(fn, device, warmup=2, repeats=1, min_time=min_time).calls_per_repeat for k, fn in fns.items()}
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
@@ -190,14 +202,21 @@ def round_ratios(slow: Timing, fast: Timing) -> tuple[float, float, float]:
     """Speed-up of `fast` over `slow`, one ratio per interleaved round: (median, lowest, highest); a range that
     crosses 1.0 is no reliable difference."""
     if len(slow.times) != len(fast.times) or len(slow.times) < 3:
-        raise ValueError(f"need the same number (>= 3) of interleaved rounds for both, got {len(slow.times)} and "
-                         f"{len(fast.times)}: time them together with interleaved(..., rounds=3 or more)")
+        raise ValueError(
+            f"need the same number (>= 3) of interleaved rounds for both, got {len(slow.times)} and "
+            f"{len(fast.times)}: time them together with interleaved(..., rounds=3 or more)"
+        )
     ratios = [a / b for a, b in zip(slow.times, fast.times)]
     return statistics.median(ratios), min(ratios), max(ratios)
 
 # %% ../notebooks/01_hardware_and_timing.ipynb #b6b58491
-def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                  min_time: float = 0.05, repeats: int = 5) -> float:
+def matmul_gflops(
+    n: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    min_time: float = 0.05,
+    repeats: int = 5,
+) -> float:
     """Measured GFLOP/s of an n x n by n x n matmul (2n^3 FLOPs) in its fastest repeat: what the kernel can do."""
     if n <= 0:
         raise ValueError(f"n must be a positive matrix size, got {n}")
@@ -206,8 +225,7 @@ def matmul_gflops(n: int, device: torch.device | str = "cpu", dtype: torch.dtype
     return 2 * n**3 / t.best / 1e9
 
 
-def copy_gbps(n_bytes: int, device: torch.device | str = "cpu", min_time: float = 0.05,
-              repeats: int = 5) -> float:
+def copy_gbps(n_bytes: int, device: torch.device | str = "cpu", min_time: float = 0.05, repeats: int = 5) -> float:
     """Measured GB/s of copying an `n_bytes` fp32 buffer in the fastest repeat (a read and a write per byte)."""
     if n_bytes <= 0:
         raise ValueError(f"n_bytes must be positive, got {n_bytes}")
@@ -223,9 +241,11 @@ def measure_peaks(device: torch.device | str = "cpu", quick: bool = True) -> dic
     sizes = (512, 1024, 2048) if quick else (1024, 2048, 4096, 8192)
     if torch.device(device).type != "cpu":
         sizes = (2048, 4096, 8192)
-    return {"matmul_gflops": max(matmul_gflops(n, device) for n in sizes),
-            "copy_gbps": copy_gbps(256 * 2**20 if not quick else 64 * 2**20, device),
-            "threads": torch.get_num_threads()}
+    return {
+        "matmul_gflops": max(matmul_gflops(n, device) for n in sizes),
+        "copy_gbps": copy_gbps(256 * 2**20 if not quick else 64 * 2**20, device),
+        "threads": torch.get_num_threads(),
+    }
 
 # %% ../notebooks/01_hardware_and_timing.ipynb #339cbf66
 def record_noise(*noises: Noise) -> Noise:

@@ -49,7 +49,8 @@ def torchao_config(kind: str, group_size: int = 32) -> Any:
 
         raise ah.tools.ToolMissing(
             f"torchao {version('torchao')} does not work with torch {torch.__version__} ({e}); install the torchao "
-            "release built for your torch (torch 2.9: pip install 'torchao==0.14.1')") from e
+            "release built for your torch (torch 2.9: pip install 'torchao==0.14.1')"
+        ) from e
 
     if kind == "int8_dynamic":
         return Int8DynamicActivationInt8WeightConfig()
@@ -164,8 +165,9 @@ def converted_from(path: str | Path, model: nn.Module, calib_x: Any) -> bool:
     return path.exists() and stamp.exists() and stamp.read_text() == fingerprint(model, x)
 
 
-def litert_convert_int8(model: nn.Module, calib_x: Any, path: str | Path, script: str | Path,
-                        timeout_s: float = 600) -> Path:
+def litert_convert_int8(
+    model: nn.Module, calib_x: Any, path: str | Path, script: str | Path, timeout_s: float = 600
+) -> Path:
     """Convert `model` to a full-integer int8 .tflite at `path`: export it here (`torch.export`, batch dimension
     dynamic), then run `script` (section 4's litert_convert.py) with `litert_python()` on the exported program and
     the calibration rows. A file already converted from the same weights and rows (its `.sha256`) is kept."""
@@ -183,12 +185,17 @@ def litert_convert_int8(model: nn.Module, calib_x: Any, path: str | Path, script
     path.parent.mkdir(parents=True, exist_ok=True)
     program_file, calib_file = path.with_suffix(".pt2"), path.with_suffix(".calib.npy")
     # an example of a single row would specialize the batch dimension to 1, dynamic or not
-    program = torch.export.export(model.eval(), (torch.from_numpy(x[:2]),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    program = torch.export.export(
+        model.eval(), (torch.from_numpy(x[:2]),), dynamic_shapes=({0: torch.export.Dim("batch")},)
+    )
     torch.export.save(program, program_file)
     np.save(calib_file, x)
-    ah.launch.launch([str(python), str(script), str(program_file), str(calib_file), str(path)],
-                     timeout_s=timeout_s, echo=False, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
+    ah.launch.launch(
+        [str(python), str(script), str(program_file), str(calib_file), str(path)],
+        timeout_s=timeout_s,
+        echo=False,
+        env={"TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
     if not path.exists():
         raise RuntimeError(f"{script} finished without writing {path}")
     stamp.write_text(fingerprint(model, x))
@@ -251,8 +258,9 @@ def litert_ops(path: str | Path) -> dict[str, list[str]]:
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     # without the default XNNPACK delegate, so that the file's own ops are listed
-    interp = Interpreter(model_path=str(path),
-                         experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    interp = Interpreter(
+        model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    )
     interp.allocate_tensors()
     tensors = {t["index"]: t["dtype"].__name__ for t in interp.get_tensor_details()}
     ops: dict[str, set[str]] = {}
@@ -277,19 +285,31 @@ def brevitas_mlp(sizes: Sequence[int], bits: int) -> nn.Sequential:
     )
 
     # the Int8/Uint8 quantizers set the kind of scale (a power of two, one per tensor); bit_width overrides their 8
-    layers: list[nn.Module] = [qnn.QuantIdentity(act_quant=Int8ActPerTensorFixedPoint, bit_width=bits,
-                                                 return_quant_tensor=True)]
+    layers: list[nn.Module] = [
+        qnn.QuantIdentity(act_quant=Int8ActPerTensorFixedPoint, bit_width=bits, return_quant_tensor=True)
+    ]
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-        layers.append(qnn.QuantLinear(n_in, n_out, bias=True, weight_quant=Int8WeightPerTensorFixedPoint,
-                                      weight_bit_width=bits, bias_quant=Int16Bias, return_quant_tensor=False))
+        layers.append(
+            qnn.QuantLinear(
+                n_in,
+                n_out,
+                bias=True,
+                weight_quant=Int8WeightPerTensorFixedPoint,
+                weight_bit_width=bits,
+                bias_quant=Int16Bias,
+                return_quant_tensor=False,
+            )
+        )
         if i < len(sizes) - 2:
-            layers.append(qnn.QuantReLU(act_quant=Uint8ActPerTensorFixedPoint, bit_width=bits,
-                                        return_quant_tensor=True))
+            layers.append(
+                qnn.QuantReLU(act_quant=Uint8ActPerTensorFixedPoint, bit_width=bits, return_quant_tensor=True)
+            )
     return nn.Sequential(*layers)
 
 # %% ../notebooks/10_deployment_toolflows.ipynb #3a9217ae
-def brevitas_ptq(fp32: nn.Module, sizes: Sequence[int], bits: int, calib_x: torch.Tensor,
-                 batch: int = 256) -> nn.Sequential:
+def brevitas_ptq(
+    fp32: nn.Module, sizes: Sequence[int], bits: int, calib_x: torch.Tensor, batch: int = 256
+) -> nn.Sequential:
     """Post-training quantization with the same quantizers as QAT: a `brevitas_mlp` holding the fp32 weights,
     activation scales calibrated on `calib_x` (Brevitas' calibration mode), no training."""
     from brevitas.graph.calibrate import calibration_mode
@@ -306,7 +326,7 @@ def brevitas_ptq(fp32: nn.Module, sizes: Sequence[int], bits: int, calib_x: torc
                 d.bias.copy_(s.bias)
     with torch.no_grad(), calibration_mode(q):
         for i in range(0, len(calib_x), batch):
-            q(calib_x[i:i + batch])
+            q(calib_x[i : i + batch])
     return q.eval()
 
 
@@ -318,8 +338,9 @@ def brevitas_logits(model: nn.Module, x: Any) -> np.ndarray:
     return getattr(y, "value", y).numpy()
 
 # %% ../notebooks/10_deployment_toolflows.ipynb #3afb5820
-def finetune(model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float = 3e-3,
-             seed: int = 0) -> nn.Module:
+def finetune(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, epochs: int, lr: float = 3e-3, seed: int = 0
+) -> nn.Module:
     """A copy of `model` trained for `epochs` more epochs (the original is left as it is): chapter 08's
     `fit_classifier` (AdamW, one-cycle schedule up to `lr`, batches of 256, one thread), batch order from `seed`.
     On a Brevitas model this is quantization-aware training; on the fp32 model, followed by `brevitas_ptq`, it is
@@ -364,11 +385,12 @@ def hls_from_qonnx(model: Any, out_dir: str | Path) -> Any:
 
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():  # hls4ml narrates the topology
         warnings.simplefilter("ignore")
-        cfg = hls4ml.utils.config.config_from_onnx_model(model, granularity="name", backend="Vitis",
-                                                         default_precision="fixed<32,16>",
-                                                         default_reuse_factor=1)
-        hm = hls4ml.converters.convert_from_onnx_model(model, output_dir=str(out_dir), io_type="io_parallel",
-                                                       backend="Vitis", hls_config=cfg)
+        cfg = hls4ml.utils.config.config_from_onnx_model(
+            model, granularity="name", backend="Vitis", default_precision="fixed<32,16>", default_reuse_factor=1
+        )
+        hm = hls4ml.converters.convert_from_onnx_model(
+            model, output_dir=str(out_dir), io_type="io_parallel", backend="Vitis", hls_config=cfg
+        )
         hm.compile()
     return hm
 

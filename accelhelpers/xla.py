@@ -41,9 +41,11 @@ def version_fix(torch_version: str, xla_version: str | None, on_tpu: bool | None
     if xla_version is None:
         if on_tpu if on_tpu is not None else ah.device.tpu_present():
             return INSTALL_FIX.format(v=NEWEST_XLA) + "   # torch_xla is not installed; then restart the runtime"
-        return ("torch_xla is not installed. On Colab choose Runtime > Change runtime type > TPU (torch_xla comes "
-                f"preinstalled); on a Linux x86_64 CPU machine: pip install torch=={NEWEST_XLA} "
-                f"torch_xla=={NEWEST_XLA} (its newest release; it needs exactly that torch)")
+        return (
+            "torch_xla is not installed. On Colab choose Runtime > Change runtime type > TPU (torch_xla comes "
+            f"preinstalled); on a Linux x86_64 CPU machine: pip install torch=={NEWEST_XLA} "
+            f"torch_xla=={NEWEST_XLA} (its newest release; it needs exactly that torch)"
+        )
     if base_version(torch_version) == base_version(xla_version):
         return None
     return INSTALL_FIX.format(v=base_version(xla_version)) + "   # then restart the runtime"
@@ -77,8 +79,10 @@ def use_xla(debug_file: str | Path | None = None, debug_level: int = 1, verbose:
     if fix and xla_v is None:
         raise RuntimeError(fix)
     if fix:
-        raise RuntimeError(f"torch {torch_v} and torch_xla {xla_v} do not match (importing torch_xla would fail "
-                           f"with '_XLAC... undefined symbol'). Fix:\n    {fix}")
+        raise RuntimeError(
+            f"torch {torch_v} and torch_xla {xla_v} do not match (importing torch_xla would fail "
+            f"with '_XLAC... undefined symbol'). Fix:\n    {fix}"
+        )
     started = runtime_started()
     if not started:
         os.environ["PJRT_DEVICE"] = choose_pjrt_device()
@@ -93,13 +97,24 @@ def use_xla(debug_file: str | Path | None = None, debug_level: int = 1, verbose:
     dev = torch_xla.device()
     if verbose:
         kind = xr.device_type()
-        where = "a TPU" if kind == "TPU" else ("XLA's CPU device (no TPU here: same graphs, compiled for this CPU)"
-                                               if kind == "CPU" else f"XLA's {kind} device")
-        print(f"torch {torch_v} / torch_xla {xla_v}: versions match.\nPJRT_DEVICE={kind}: running on {where}, "
-              f"device {dev}.")
+        where = (
+            "a TPU"
+            if kind == "TPU"
+            else (
+                "XLA's CPU device (no TPU here: same graphs, compiled for this CPU)"
+                if kind == "CPU"
+                else f"XLA's {kind} device"
+            )
+        )
+        print(
+            f"torch {torch_v} / torch_xla {xla_v}: versions match.\nPJRT_DEVICE={kind}: running on {where}, "
+            f"device {dev}."
+        )
         if started:
-            print("(torch_xla's runtime was already running, so PJRT_DEVICE was kept; the debug log only records "
-                  "compilations if none has happened yet.)")
+            print(
+                "(torch_xla's runtime was already running, so PJRT_DEVICE was kept; the debug log only records "
+                "compilations if none has happened yet.)"
+            )
     return dev
 
 # %% ../notebooks/07_tpus_and_xla.ipynb #c23faef9
@@ -133,9 +148,15 @@ def xla_counts() -> XlaCounts:
 
     n_compile, compile_s = metric("CompileTime")
     n_exec, execute_s = metric("ExecuteTime")
-    return XlaCounts(compiles=n_compile, cached_compiles=int(met.counter_value("CachedCompile") or 0),
-                     executions=n_exec, compile_s=compile_s, execute_s=execute_s,
-                     to_host=metric("TransferFromDeviceTime")[0], syncs=int(met.counter_value("MarkStep") or 0))
+    return XlaCounts(
+        compiles=n_compile,
+        cached_compiles=int(met.counter_value("CachedCompile") or 0),
+        executions=n_exec,
+        compile_s=compile_s,
+        execute_s=execute_s,
+        to_host=metric("TransferFromDeviceTime")[0],
+        syncs=int(met.counter_value("MarkStep") or 0),
+    )
 
 # %% ../notebooks/07_tpus_and_xla.ipynb #632639a1
 @dataclass
@@ -187,16 +208,16 @@ def compile_causes(debug_file: str | Path, start: int = 0) -> tuple[list[str], i
     return [c.strip() for c in causes], len(text)
 
 # %% ../notebooks/07_tpus_and_xla.ipynb #2bb27b14
-def launch_demo(script: str | Path, devices: int = 2, all_reduce: bool = False,
-                timeout: float = 60.0) -> tuple[int | None, str]:
+def launch_demo(
+    script: str | Path, devices: int = 2, all_reduce: bool = False, timeout: float = 60.0
+) -> tuple[int | None, str]:
     """Run a torch_xla.launch `script` over `devices` XLA CPU devices in a fresh process; returns (exit code,
     output), exit code None when stopped after `timeout` seconds or at a line saying the run "may be stuck"."""
     if devices < 1:
         raise ValueError("launch_demo needs devices >= 1")
     if not ah.device.xla_installed():
         raise RuntimeError(version_fix(torch.__version__, None))
-    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PT_XLA_DEBUG_LEVEL": None,
-           "PT_XLA_DEBUG_FILE": None}
+    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PT_XLA_DEBUG_LEVEL": None, "PT_XLA_DEBUG_FILE": None}
     cmd = [sys.executable, str(script)] + (["--all-reduce"] if all_reduce else [])
     run = ah.launch.launch(cmd, timeout, echo=False, check=False, env=env, stop_on="may be stuck", stop_ok=True)
     return run.returncode, run.output

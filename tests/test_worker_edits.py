@@ -61,7 +61,7 @@ CHAPTERS = {
     "09_long_runs": ("save_checkpoint", 'start("kill_mid_save.py"', (),
                      'print(finish(start("kill_mid_save.py", WORK / "edited", "--way", "atomic")).output)'),
     # the rows timed in the kernel (sections 5 and 6) are not needed for the launch of the DDP rows
-    "11_speedrun": ("warm_up", 'ah.launch.torchrun_cmd(WORKERS / "speedrun_ddp.py"',
+    "11_speedrun": ("warm_up", 'WORKERS / "speedrun_ddp.py"',
                     ("with ah.timing.noise_watch() as noise:", "t0 = time.perf_counter()"), None),
 }
 

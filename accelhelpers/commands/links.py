@@ -20,18 +20,22 @@ BADGE_RE = re.compile(r"\[!\[Open In Colab\]\([^)]*\)\]\(https://colab\.research
 README_BADGE_RE = re.compile(r"\[!\[Colab\]\([^)]*\)\]\(https://colab\.research\.google\.com/github/[^)]*?"
                              r"/notebooks/(\d\d_[^)]+\.ipynb)\)")
 
+# As `ruff format` writes it (make lint checks the notebooks' formatting).
 SETUP_CELL = '''\
 # On Colab or Kaggle only: install the course's helpers at the release these notebooks match.
 # torch is never reinstalled: the runtime's own build matches its GPU or TPU.
 # (Written by `python -m accelhelpers course links` from pyproject.toml's [project.urls] and version.)
 import os, subprocess, sys
+
 if "google.colab" in sys.modules or "KAGGLE_KERNEL_RUN_TYPE" in os.environ:
     SPEC = "{spec}"
     pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", SPEC], capture_output=True, text=True)
     if pip.returncode:  # one line saying what failed and what to do, never pip's traceback
         why = (pip.stderr.strip().splitlines() or ["pip printed no reason"])[-1]
-        raise SystemExit(f"could not install {{SPEC}}: {{why}} -- on Kaggle turn on Settings > Internet; "
-                         "elsewhere check that this release is published (the course README, 'Publishing')")
+        raise SystemExit(
+            f"could not install {{SPEC}}: {{why}} -- on Kaggle turn on Settings > Internet; "
+            "elsewhere check that this release is published (the course README, 'Publishing')"
+        )
 import accelhelpers as ah'''
 
 
