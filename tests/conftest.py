@@ -144,6 +144,10 @@ class FakeClock:
     def sync(self, device) -> None:
         self.events.append("sync")
 
+    def unsynced_reads(self) -> int:
+        """Clock reads that come straight after a call, with no sync between: a GPU's queued work left out."""
+        return sum(a not in ("clock", "sync") and b == "clock" for a, b in zip(self.events, self.events[1:]))
+
 
 @pytest.fixture()
 def clock(monkeypatch):

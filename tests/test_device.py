@@ -1,4 +1,4 @@
-"""device: best device, hardware report, sync, profile, Colab detection."""
+"""device: best device, hardware report, profile, Colab detection."""
 
 import json
 import os
@@ -95,12 +95,6 @@ def test_machine_line_names_the_recorded_hardware_in_one_line():
     gpu = ah.device.machine_line({**cpu, "gpu": "NVIDIA H200", "gpu_memory_gb": 139.8, "best_device": "cuda"})
     assert gpu.startswith("NVIDIA H200 (139.8 GiB) · AMD EPYC") and "\n" not in gpu
     assert ah.device.machine_line({}) == "CPU, ? cores · torch ? · best device: ?"  # an older record, keys missing
-
-
-def test_device_sync_is_chapter_01s_sync():
-    """One definition: the sync taught in chapter 01 (timing.py), re-exported by device for the floor's callers."""
-    assert ah.timing.sync is ah.timing.sync
-    assert ah.timing.sync("cpu") is None
 
 
 def test_colab_detection(monkeypatch):

@@ -55,6 +55,19 @@ def test_peak_memory_is_none_off_cuda():
     assert ah.metrics.peak_memory(lambda: torch.ones(10), "cpu") is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA allocator's peak needs a CUDA device")
+def test_peak_memory_is_the_cuda_peak_of_the_call_alone():
+    """A 4 MiB temporary, freed before the call returns, counts; what was allocated before the call (8 MiB held) and
+    an earlier, higher peak (16 MiB, freed) do not. Mutations this catches: not subtracting what was allocated
+    before, not resetting the peak first, or reading `memory_allocated` (after the free) instead of the peak."""
+    dev = torch.device("cuda")
+    _held = torch.empty(2 * 2**20, device=dev)               # 8 MiB of float32, held through the call
+    torch.empty(4 * 2**20, device=dev)                       # an earlier peak: 16 MiB more, freed at once
+    peak = ah.metrics.peak_memory(lambda: torch.empty(2**20, device=dev).fill_(1.0), dev)
+    assert peak == 4 * 2**20
+    assert peak == torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
+
+
 def test_differences_between_models_state_dicts_and_tensor_lists():
     a, b = nn.Linear(3, 2), nn.Linear(3, 2)
     b.load_state_dict(a.state_dict())

@@ -102,15 +102,56 @@ class _Slow(Dataset):
         return torch.zeros(2), torch.tensor(0)
 
 
-def test_compare_loaders_times_each_loader_every_round():
+TICK = 2.0**-9  # about 2 ms of the fake clock, exact in binary: sums of ticks compare exactly
+
+
+class _ClockedLoader:
+    """A loader on the test's clock: each epoch waits `starts[epoch]` ticks (workers starting) before its first batch,
+    then `fetch` ticks per batch of `size` items; each fetch goes into the clock's events under `name`."""
+
+    def __init__(self, clock, name: str, batches: int, fetch: int, size: int = 2, starts: tuple[int, ...] = ()):
+        self.clock, self.name, self.batches, self.fetch, self.size = clock, name, batches, fetch, size
+        self.starts, self.epoch = starts, 0
+
+    def __iter__(self):
+        self.clock.now += TICK * (self.starts[self.epoch] if self.epoch < len(self.starts) else 0)
+        self.epoch += 1
+        for _ in range(self.batches):
+            self.clock.now += TICK * self.fetch
+            self.clock.events.append(self.name)
+            yield torch.zeros(self.size, 1), torch.zeros(self.size)
+
+
+def _clocked_tfm(clock, ticks: int):
+    """A batch transform that takes `ticks` of the test's clock."""
+    def tfm(xb: torch.Tensor) -> torch.Tensor:
+        clock.work(TICK * ticks, "tfm")()
+        return xb
+    return tfm
+
+
+def test_compare_loaders_times_each_loader_every_round_on_the_clock(clock):
+    """Exact epoch and first-batch times, on a fake clock: loader a (3 batches of 2 items, 1 tick each, plus a 1-tick
+    batch transform) starts its epochs in 8, 0, 2 ticks; loader b (2 batches of 4, 3 ticks each) in 1, 4, 0. Mutations
+    this catches: the rounds not interleaved (all of a's epochs, then b's), no sync before the first batch's or the
+    epoch's clock read, items counted as batches, a first-batch time taken at every batch."""
+    clock.install(ah.pipeline)
+    a = _ClockedLoader(clock, "a", batches=3, fetch=1, size=2, starts=(8, 0, 2))
+    b = _ClockedLoader(clock, "b", batches=2, fetch=3, size=4, starts=(1, 4, 0))
+    res = ah.pipeline.compare_loaders({"a": a, "b": b}, epochs=3, batch_tfms={"a": _clocked_tfm(clock, 1)})
+    assert res["a"].epoch_s == [TICK * t for t in (8 + 6, 0 + 6, 2 + 6)]
+    assert res["a"].first_batch_s == [TICK * t for t in (8 + 2, 0 + 2, 2 + 2)]
+    assert res["b"].epoch_s == [TICK * t for t in (1 + 6, 4 + 6, 0 + 6)]
+    assert res["b"].first_batch_s == [TICK * t for t in (1 + 3, 4 + 3, 0 + 3)]
+    assert (res["a"].items, res["b"].items) == (6, 8)
+    assert "".join(e for e in clock.events if e in ("a", "b")) == "aaabb" * 3  # one epoch of each in turn
+    assert clock.unsynced_reads() == 0
+
+
+def test_compare_loaders_takes_real_loaders_and_refuses_nothing_to_time():
     fast = DataLoader(TensorDataset(torch.rand(64, 3), torch.zeros(64)), batch_size=16)
-    slow = DataLoader(_Slow(0.002), batch_size=2)
-    res = ah.pipeline.compare_loaders({"fast": fast, "slow": slow}, epochs=3, batch_tfms={"fast": lambda xb: xb + 1})
-    assert [len(r.epoch_s) for r in res.values()] == [3, 3]
-    assert [len(r.first_batch_s) for r in res.values()] == [3, 3]
-    assert res["fast"].items == 64 and res["slow"].items == 8
-    assert res["slow"].items_per_s < res["fast"].items_per_s and res["fast"].first_s > 0
-    assert all(0 < f <= e for r in res.values() for f, e in zip(r.first_batch_s, r.epoch_s, strict=True))
+    res = ah.pipeline.compare_loaders({"fast": fast}, epochs=2, batch_tfms={"fast": lambda xb: xb + 1})
+    assert res["fast"].items == 64 and len(res["fast"].epoch_s) == len(res["fast"].first_batch_s) == 2
     with pytest.raises(ValueError, match="epochs"):
         ah.pipeline.compare_loaders({"fast": fast}, epochs=0)
     with pytest.raises(ValueError, match="no batches"):
@@ -204,14 +245,31 @@ def test_top_ops_and_range_ms_read_named_ranges():
     assert ah.pipeline.range_ms(prof, "no such range") == 0
 
 
-def test_data_wait_share_tells_starved_from_fed():
-    starved = ah.pipeline.data_wait_share(DataLoader(_Slow(0.01), batch_size=2), lambda xb, yb: None)
-    assert starved.steps == 4 and starved.share > 0.9 and starved.verdict().startswith("starved")
-    # a step long enough that a busy machine's collate (15 ms a batch seen in CI) stays small beside it
-    fed = ah.pipeline.data_wait_share(DataLoader(_Slow(0.0), batch_size=2), lambda xb, yb: time.sleep(0.25),
-                                      max_steps=3)
-    assert fed.steps == 3 and fed.share < 0.2 and not fed.verdict().startswith("starved")
-    assert ah.pipeline.Starvation(0.2, 0.8, 1).verdict().startswith("partly starved")
+def test_data_wait_share_books_fetch_and_transform_as_wait_and_the_step_as_work(clock):
+    """Exact on a fake clock: 4 batches of 1 tick's fetch and a 1-tick batch transform (the wait), 6-tick steps (the
+    work): a quarter of the loop waits. Mutations this catches: the share divided by the step count instead of the
+    total time, the transform booked as work, the wait timed from before the previous step, no sync before either
+    clock read, max_steps ignored."""
+    clock.install(ah.pipeline)
+    steps = []
+
+    def step(xb, yb):
+        steps.append(len(xb))
+        clock.work(6 * TICK, "step")()
+
+    partly = ah.pipeline.data_wait_share(_ClockedLoader(clock, "data", batches=4, fetch=1), step,
+                                         batch_tfm=_clocked_tfm(clock, 1))
+    assert (partly.wait_s, partly.step_s, partly.steps, partly.share) == (4 * 2 * TICK, 4 * 6 * TICK, 4, 0.25)
+    assert partly.verdict() == "partly starved: 25% of each step waits on data."
+    assert steps == [2] * 4 and clock.unsynced_reads() == 0
+    starved = ah.pipeline.data_wait_share(_ClockedLoader(clock, "data", batches=5, fetch=3),
+                                          lambda xb, yb: clock.work(TICK, "step")(), max_steps=3)
+    assert (starved.wait_s, starved.step_s, starved.steps, starved.share) == (9 * TICK, 3 * TICK, 3, 0.75)
+    assert starved.verdict().startswith("starved: 75% of each step waits on data.")
+    fed = ah.pipeline.data_wait_share(_ClockedLoader(clock, "data", batches=2, fetch=1),
+                                      lambda xb, yb: clock.work(15 * TICK, "step")())
+    assert fed.share == 1 / 16 and fed.verdict().startswith("fed: only 6% of each step waits on data")
+    assert clock.unsynced_reads() == 0
     with pytest.raises(ValueError, match="no batches"):
         ah.pipeline.data_wait_share([], lambda xb, yb: None)
 

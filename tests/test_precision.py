@@ -46,10 +46,30 @@ def test_format_facts_tf32_by_formula_and_unknown_name():
         ah.precision.format_facts("fp12")
 
 
-def test_format_table_has_every_format_in_order():
-    rows = ah.precision.format_table()
-    assert [r["format"] for r in rows] == list(ah.precision.FORMATS)
-    assert [r["bits"] for r in rows] == [32, 32, 16, 16, 8, 8]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3fn": torch.float8_e4m3fn,
+          "fp8_e5m2": torch.float8_e5m2}  # written out here, not read from FORMATS: the reference is torch.finfo
+
+
+def test_format_table_rows_are_torch_finfo_and_the_bit_layout():
+    """Each row with a torch dtype states torch.finfo's bits, max, smallest normal and eps, and a sign, exponent and
+    mantissa that add up to its bits and give that smallest normal and eps; tf32 has fp32's range and fp16's eps.
+    Mutations this catches: a format's exponent or mantissa width wrong, max by the IEEE formula (240 for e4m3fn),
+    eps from `finfo.resolution`, rows not in the order of the names asked for."""
+    rows = {r["format"]: r for r in ah.precision.format_table()}
+    assert rows.keys() == DTYPES.keys() | {"tf32"}
+    for name, dtype in DTYPES.items():
+        fi, row = torch.finfo(dtype), rows[name]
+        assert (row["bits"], row["max"], row["smallest_normal"], row["eps"]) == (
+            fi.bits, fi.max, fi.smallest_normal, fi.eps)
+        assert 1 + row["exponent"] + row["mantissa"] == fi.bits
+        emin = 2 - 2 ** (row["exponent"] - 1)                                    # 1 - the exponent bias
+        assert row["eps"] == 2.0 ** -row["mantissa"] and row["smallest_normal"] == 2.0**emin
+    tf32, fp32_top_10_bits = rows["tf32"], torch.tensor(0x7F7FE000, dtype=torch.int32).view(torch.float32).item()
+    assert (tf32["exponent"], tf32["mantissa"], tf32["bits"]) == (8, 10, 32)     # stored in fp32's 32 bits
+    assert (tf32["max"], tf32["smallest_normal"], tf32["eps"]) == (             # fp32's range, fp16's precision
+        fp32_top_10_bits, torch.finfo(torch.float32).smallest_normal, torch.finfo(torch.float16).eps)
+    asked = ["bf16", "fp8_e5m2", "fp16"]
+    assert [r["format"] for r in ah.precision.format_table(asked)] == asked
 
 
 def test_spacing_matches_nextafter_for_fp32():

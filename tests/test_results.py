@@ -95,3 +95,12 @@ def test_atomic_write_streams_removes_stale_temporaries_and_keeps_the_old_file_o
     with pytest.raises(OSError, match="disk full"):
         atomic_write(target, broken)
     assert target.read_bytes() == b"first" and list(tmp_path.iterdir()) == [target]
+
+
+def test_record_keeps_the_range():
+    results.set_chapter("99")
+    ah.results.record("ratio", 1.2, "x", "n", spread=(0.9, 1.5), repeats=5)
+    entry = json.loads((ah.results.results_dir() / "99.json").read_text())[0]
+    assert entry["spread"] == [0.9, 1.5] and entry["repeats"] == 5
+    with pytest.raises(ValueError, match="spread must be"):
+        ah.results.record("bad", 1.0, "x", spread=(2.0, 1.0))
