@@ -32,20 +32,27 @@ from torch import nn
 import accelhelpers as ah
 
 # %% ../notebooks/05_input_pipeline.ipynb #bde5c099
-def random_affine(n: int, max_deg: float = 15.0, max_shift: float = 0.1, max_zoom: float = 0.1,
-                  device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+def random_affine(
+    n: int,
+    max_deg: float = 15.0,
+    max_shift: float = 0.1,
+    max_zoom: float = 0.1,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """`n` random affine matrices [n, 2, 3] (rotation, zoom, shift) in the [-1, 1] coordinates of `F.affine_grid`."""
-    u = torch.rand(n, 4, device=device, generator=generator) * 2 - 1      # four uniform numbers in [-1, 1]
+    u = torch.rand(n, 4, device=device, generator=generator) * 2 - 1  # four uniform numbers in [-1, 1]
     ang, zoom = u[:, 0] * math.radians(max_deg), 1 + u[:, 1] * max_zoom
     cos, sin = torch.cos(ang) / zoom, torch.sin(ang) / zoom
-    return torch.stack([torch.stack([cos, -sin, u[:, 2] * max_shift], 1),
-                        torch.stack([sin, cos, u[:, 3] * max_shift], 1)], 1)
+    return torch.stack(
+        [torch.stack([cos, -sin, u[:, 2] * max_shift], 1), torch.stack([sin, cos, u[:, 3] * max_shift], 1)], 1
+    )
 
 
 def affine_grid(theta: torch.Tensor, size: int) -> torch.Tensor:
     """`F.affine_grid(theta, [n, c, size, size], align_corners=False)` written out: each output pixel's centre,
     mapped through `theta`, is the point of the input it samples."""
-    c = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1   # pixel centres
+    c = (torch.arange(size, device=theta.device, dtype=theta.dtype) * 2 + 1) / size - 1  # pixel centres
     bx, by = c[None, None, :], c[None, :, None]
     t = theta[:, :, :, None, None]
     gx = t[:, 0, 0] * bx + t[:, 0, 1] * by + t[:, 0, 2]
@@ -59,8 +66,9 @@ def warp(x: torch.Tensor, theta: torch.Tensor, size: int) -> torch.Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 # %% ../notebooks/05_input_pipeline.ipynb #cb91ce37
-def augment_batch(x: torch.Tensor, size: int = 32, noise: float = 0.05,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def augment_batch(
+    x: torch.Tensor, size: int = 32, noise: float = 0.05, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Digits [n, 1, 8, 8] (uint8 0..16 or float 0..1) to augmented, normalised [n, 1, size, size], on their device."""
     x = x.float() / 16 if not x.is_floating_point() else x
     out = warp(x, random_affine(len(x), device=x.device, generator=generator), size)
@@ -72,15 +80,23 @@ class AugmentedDigits(torch.utils.data.Dataset):
     """scikit-learn `digits` stored as uint8 images, decoded, resized and augmented per item (the usual
     torchvision-style pipeline), so that each item costs real CPU time."""
 
-    def __init__(self, images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor, size: int = 32,
-                 augment: bool = True, repeat: int = 1):
+    def __init__(
+        self,
+        images: np.ndarray | torch.Tensor,
+        labels: np.ndarray | torch.Tensor,
+        size: int = 32,
+        augment: bool = True,
+        repeat: int = 1,
+    ):
         images = torch.as_tensor(np.asarray(images)).to(torch.uint8)
         if images.dim() == 3:
             images = images[:, None]
         if images.dim() != 4 or len(images) != len(labels) or size < 1 or repeat < 1:
-            raise ValueError(f"AugmentedDigits needs images [n, (1,) h, w] and n labels, size >= 1 and "
-                             f"repeat >= 1; got images {tuple(images.shape)}, {len(labels)} labels, "
-                             f"size {size}, repeat {repeat}")
+            raise ValueError(
+                f"AugmentedDigits needs images [n, (1,) h, w] and n labels, size >= 1 and "
+                f"repeat >= 1; got images {tuple(images.shape)}, {len(labels)} labels, "
+                f"size {size}, repeat {repeat}"
+            )
         self.images, self.labels = images, torch.as_tensor(np.asarray(labels)).long()
         self.size, self.augment, self.repeat = size, augment, repeat
 
@@ -89,7 +105,7 @@ class AugmentedDigits(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         j = i % len(self.images)
-        x = self.images[j][None].float() / 16                             # "decode": uint8 -> float in [0, 1]
+        x = self.images[j][None].float() / 16  # "decode": uint8 -> float in [0, 1]
         if self.augment:
             return augment_batch(x, self.size)[0], self.labels[j]
         return warp(x, torch.eye(2, 3)[None], self.size)[0], self.labels[j]
@@ -140,9 +156,12 @@ class LoaderTiming:
         return f"{self.items_per_s:,.0f} ({lo:,.0f}-{hi:,.0f})"
 
 
-def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "cpu", epochs: int = 3,
-                    batch_tfms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
-                    ) -> dict[str, LoaderTiming]:
+def compare_loaders(
+    loaders: dict[str, Iterable],
+    device: torch.device | str = "cpu",
+    epochs: int = 3,
+    batch_tfms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+) -> dict[str, LoaderTiming]:
     """Time several loaders one epoch each in turn, `epochs` rounds (fetch, copy to `device`, batch transform
     there, device sync): on a shared machine a burst of load then hits every loader alike."""
     if epochs < 1 or not loaders:
@@ -156,7 +175,7 @@ def compare_loaders(loaders: dict[str, Iterable], device: torch.device | str = "
             for xb, _yb in loader:
                 xb = xb.to(device, non_blocking=True)
                 t.items += len(tfms[name](xb) if name in tfms else xb)
-                if len(t.first_batch_s) == len(t.epoch_s):          # the first batch of this epoch
+                if len(t.first_batch_s) == len(t.epoch_s):  # the first batch of this epoch
                     ah.timing.sync(device)
                     t.first_batch_s.append(time.perf_counter() - t0)
             ah.timing.sync(device)
@@ -219,8 +238,9 @@ def quiet_kineto() -> Iterator[None]:
             sys.stderr.write("".join(ln for ln in lines if "gpuGetDeviceCount" not in ln))
 
 
-def profile_steps(step: Callable[[], object], steps: int = 5, trace: str | Path | None = None,
-                  device: torch.device | str = "cpu") -> torch.profiler.profile:
+def profile_steps(
+    step: Callable[[], object], steps: int = 5, trace: str | Path | None = None, device: torch.device | str = "cpu"
+) -> torch.profiler.profile:
     """Run `step()` `steps` times under torch.profiler (CPU, plus CUDA on a GPU), each call in a range named
     'train_step'; write a Chrome trace to `trace` if given (open it in https://ui.perfetto.dev)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
@@ -237,8 +257,9 @@ def profile_steps(step: Callable[[], object], steps: int = 5, trace: str | Path 
     return prof
 
 
-def top_ops(prof: torch.profiler.profile, n: int = 8, device: bool = False,
-            skip: tuple[str, ...] = ("train_step",)) -> list[tuple[str, float, int]]:
+def top_ops(
+    prof: torch.profiler.profile, n: int = 8, device: bool = False, skip: tuple[str, ...] = ("train_step",)
+) -> list[tuple[str, float, int]]:
     """The `n` operators with the most self time: (name, self time in µs, calls), without the ranges named in
     `skip`; `device=True` ranks by self time on the GPU instead of the CPU."""
     key = "self_device_time_total" if device else "self_cpu_time_total"
@@ -269,16 +290,22 @@ class Starvation:
     def verdict(self) -> str:
         """One line a reader can act on."""
         if self.share > 0.5:
-            return (f"starved: {self.share:.0%} of each step waits on data. Move transforms to the device, "
-                    f"add workers, or cache decoded data.")
+            return (
+                f"starved: {self.share:.0%} of each step waits on data. Move transforms to the device, "
+                f"add workers, or cache decoded data."
+            )
         if self.share > 0.1:
             return f"partly starved: {self.share:.0%} of each step waits on data."
         return f"fed: only {self.share:.0%} of each step waits on data; speed up the step itself."
 
 
-def data_wait_share(loader: Iterable, step: Callable[[torch.Tensor, torch.Tensor], object],
-                    device: torch.device | str = "cpu", max_steps: int | None = None,
-                    batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Starvation:
+def data_wait_share(
+    loader: Iterable,
+    step: Callable[[torch.Tensor, torch.Tensor], object],
+    device: torch.device | str = "cpu",
+    max_steps: int | None = None,
+    batch_tfm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Starvation:
     """Is the accelerator starved? Time `next(batch)` + copy (+ batch transform) against `step(xb, yb)`,
     syncing the device after each so that queued work is not booked to the wrong side."""
     wait = work = 0.0
@@ -301,8 +328,14 @@ def data_wait_share(loader: Iterable, step: Callable[[torch.Tensor, torch.Tensor
 HABITS = ("none", "item", "print", "cpu")
 
 
-def logged_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                habit: str = "none", log: list | None = None) -> Callable[[], None]:
+def logged_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    habit: str = "none",
+    log: list | None = None,
+) -> Callable[[], None]:
     """A training step that logs its loss by one of the usual habits: 'none' (keeps the loss tensor), 'item'
     (loss.item()), 'print' (prints the loss tensor) or 'cpu' (loss.cpu()); the last three wait for the device."""
     if habit not in HABITS:
@@ -322,7 +355,7 @@ def logged_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
         elif habit == "cpu":
             log.append(loss.detach().cpu())
         else:
-            log.append(loss.detach())      # stays on the device: no sync until someone reads it
+            log.append(loss.detach())  # stays on the device: no sync until someone reads it
 
     return step
 
@@ -330,7 +363,7 @@ def logged_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y
 def step_memory(model: nn.Module, x: torch.Tensor, optimizer_states: int = 2) -> int:
     """Bytes one training step needs: parameters, gradients, `optimizer_states` copies (Adam: 2, SGD: 0,
     momentum: 1) and saved activations. On CUDA, measured instead as the peak allocated."""
-    if x.device.type == "cuda":                 # measured: peak over the step, gradients included
+    if x.device.type == "cuda":  # measured: peak over the step, gradients included
         model.zero_grad(set_to_none=True)
         peak = ah.metrics.peak_memory(lambda: model(x).float().sum().backward(), x.device)
         model.zero_grad(set_to_none=True)
@@ -357,14 +390,16 @@ def largest_batch(fits: Callable[[int], bool], start: int = 1, limit: int = 2**2
     return good
 
 
-def memory_fits(model: nn.Module, sample: torch.Tensor, budget_bytes: int | None = None,
-                optimizer_states: int = 2) -> Callable[[int], bool]:
+def memory_fits(
+    model: nn.Module, sample: torch.Tensor, budget_bytes: int | None = None, optimizer_states: int = 2
+) -> Callable[[int], bool]:
     """A `fits(bs)` test for `largest_batch`: runs a step of batch `bs` (shaped like `sample`, on its device);
     out of memory (`ah.device.oom_kind`) means False, and the memory is freed; with a budget, the step's memory
     (`step_memory`) must also stay within it. On a CPU a budget is required: RAM 'fits' long after it is slow."""
     if budget_bytes is None and sample.device.type != "cuda":
-        raise ValueError("on a CPU give budget_bytes (e.g. 2 * 2**30): without one every batch 'fits' until the "
-                         "machine swaps")
+        raise ValueError(
+            "on a CPU give budget_bytes (e.g. 2 * 2**30): without one every batch 'fits' until the machine swaps"
+        )
 
     def fits(bs: int) -> bool:
         try:
@@ -386,16 +421,18 @@ def grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
-def full_batch_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     loss_fn: Callable = F.cross_entropy) -> list[torch.Tensor]:
+def full_batch_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable = F.cross_entropy
+) -> list[torch.Tensor]:
     """Gradients of the mean loss over the whole batch, in one backward pass: the reference."""
     model.zero_grad(set_to_none=True)
     loss_fn(model(x), y).backward()
     return grads(model)
 
 
-def accumulated_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_bs: int,
-                      loss_fn: Callable = F.cross_entropy) -> list[torch.Tensor]:
+def accumulated_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_bs: int, loss_fn: Callable = F.cross_entropy
+) -> list[torch.Tensor]:
     """Plain PyTorch accumulation: backward on each micro-batch's mean loss scaled by its share of the
     batch (loss / k when all k micro-batches are equal), no zero_grad in between."""
     model.zero_grad(set_to_none=True)
@@ -404,8 +441,9 @@ def accumulated_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_
     return grads(model)
 
 # %% ../notebooks/05_input_pipeline.ipynb #1a1afe87
-def fastai_accumulation(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int,
-                        n_acc: int) -> tuple[int, list[torch.Tensor]]:
+def fastai_accumulation(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: int, n_acc: int
+) -> tuple[int, list[torch.Tensor]]:
     """One epoch of fastai `Learner.fit` with `GradientAccumulation(n_acc)` over (x, y) in order, batch `bs`:
     returns the number of optimizer steps taken and the gradients at the first one. `n_acc` counts samples."""
     from fastai.callback.core import Callback
@@ -414,7 +452,7 @@ def fastai_accumulation(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: 
     from fastai.optimizer import SGD
 
     class Recorder(Callback):
-        order = GradientAccumulation.order + 1      # runs after GradientAccumulation may cancel the step
+        order = GradientAccumulation.order + 1  # runs after GradientAccumulation may cancel the step
 
         def before_fit(self) -> None:
             self.steps, self.first = 0, None
@@ -424,11 +462,12 @@ def fastai_accumulation(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bs: 
             if self.first is None:
                 self.first = grads(self.learn.model)
 
-    dls = ah.data.fastai_dls(ah.data.Split(x, y, x[:bs], y[:bs]), bs=bs, shuffle=False)   # batch i: rows i*bs...
+    dls = ah.data.fastai_dls(ah.data.Split(x, y, x[:bs], y[:bs]), bs=bs, shuffle=False)  # batch i: rows i*bs...
     rec = Recorder()
-    model.zero_grad(set_to_none=True)               # fastai does not clear gradients left from before fit
-    learn = Learner(dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.0,
-                    cbs=[GradientAccumulation(n_acc), rec])
+    model.zero_grad(set_to_none=True)  # fastai does not clear gradients left from before fit
+    learn = Learner(
+        dls, model, loss_func=nn.CrossEntropyLoss(), opt_func=SGD, lr=0.0, cbs=[GradientAccumulation(n_acc), rec]
+    )
     with learn.no_bar(), learn.no_logging():
         learn.fit(1)
     return rec.steps, rec.first if rec.first is not None else []
@@ -443,30 +482,34 @@ def _import_accelerate() -> Any:
     return accelerate
 
 
-def accelerate_accumulated_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_bs: int,
-                                 loss_fn: Callable = F.cross_entropy) -> list[torch.Tensor]:
+def accelerate_accumulated_grads(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_bs: int, loss_fn: Callable = F.cross_entropy
+) -> list[torch.Tensor]:
     """accelerate's way: `Accelerator(gradient_accumulation_steps=k)`, `with accelerator.accumulate(model)`,
     `accelerator.backward(loss)`; returns the gradients at the one real optimizer step."""
     if micro_bs < 1 or len(x) % micro_bs:
-        raise ValueError(f"accelerate divides each loss by k: the batch ({len(x)}) must split into equal "
-                         f"micro-batches of {micro_bs}")
+        raise ValueError(
+            f"accelerate divides each loss by k: the batch ({len(x)}) must split into equal micro-batches of {micro_bs}"
+        )
     accelerate = _import_accelerate()
     k = len(x) // micro_bs
-    ah.internals.reset_accelerate_state()       # a fresh Accelerator in this process (accelerate keeps singletons)
+    ah.internals.reset_accelerate_state()  # a fresh Accelerator in this process (accelerate keeps singletons)
     acc = accelerate.Accelerator(gradient_accumulation_steps=k, cpu=x.device.type == "cpu")
     if acc.device.type == "xla" and os.environ.get("PJRT_DEVICE") != "TPU":
-        raise RuntimeError("accelerate chose the XLA device: set os.environ['USE_TORCH_XLA'] = '0' before the "
-                           "first `import accelerate` (restart the kernel if it is already imported)")
+        raise RuntimeError(
+            "accelerate chose the XLA device: set os.environ['USE_TORCH_XLA'] = '0' before the "
+            "first `import accelerate` (restart the kernel if it is already imported)"
+        )
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     model, opt = acc.prepare(model, opt)
     opt.zero_grad(set_to_none=True)
     out: list[torch.Tensor] = []
     for xb, yb in zip(x.split(micro_bs), y.split(micro_bs), strict=True):
         with acc.accumulate(model):
-            acc.backward(loss_fn(model(xb), yb))        # accelerate divides the loss by k here
+            acc.backward(loss_fn(model(xb), yb))  # accelerate divides the loss by k here
             if acc.sync_gradients:
                 out = grads(model)
-            opt.step()                                  # skipped by accelerate until the k-th micro-batch
+            opt.step()  # skipped by accelerate until the k-th micro-batch
             opt.zero_grad()
     ah.internals.reset_accelerate_state()
     return out
