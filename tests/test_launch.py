@@ -106,14 +106,20 @@ def test_a_deadline_kills_the_grandchildren_too():
     assert not alive(pid), f"grandchild {pid} outlived the launch"
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_stop_on_a_marker_kills_the_child_and_its_children():
-    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            "print('a', flush=True); print('STOP here', flush=True); time.sleep(30); print('never')")
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+            "; print('child', p.pid, flush=True); print('STOP here', flush=True); time.sleep(30); print('never')")
     t0 = time.monotonic()
     proc = launch.start([sys.executable, "-c", code])
     run = launch.finish(proc, 20, echo=False, stop_on="STOP")
     assert run.returncode is None and "STOP here" in run.output and "never" not in run.output
     assert time.monotonic() - t0 < 15
+    pid = int(run.output.split("child ")[1].split()[0])
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid), f"the child's child {pid} outlived the stop"
 
 
 def test_kill_ends_the_group_and_takes_a_process_already_gone():
