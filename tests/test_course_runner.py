@@ -1,6 +1,6 @@
 """The course runner's reliability: --only and --out cannot reach outside the course, a re-run replaces the results
-instead of piling them up, and Ctrl-C (even one that a library turns into another error) leaves the last complete
-report as it was."""
+instead of piling them up, Ctrl-C (even one that a library turns into another error) leaves the last complete
+report as it was, and parameters given for one chapter reach that chapter only."""
 
 import json
 import os
@@ -95,3 +95,27 @@ def test_ctrl_c_that_a_library_turns_into_an_error_still_stops_the_course_run(tm
         ah.commands.course.run("quick", None, out, progress=False)
     assert not (out / "run.json").exists()  # the interrupted run wrote nothing; chapter 01 never started
     assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C handling given back as it was
+
+
+@pytest.mark.slow
+def test_the_course_runner_gives_a_chapter_its_own_profile(tmp_path, monkeypatch):
+    """The device check runs chapter 11's full profile on a GPU: run(..., parameters={key: {...}}) reaches that
+    chapter's parameters cell only, and its status says which profile it ran."""
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    for key in ("01", "11"):
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        params = nbformat.v4.new_code_cell("PROFILE = None")
+        params.metadata["tags"] = ["parameters"]
+        nb.cells = [params, nbformat.v4.new_code_cell(
+            f"import accelhelpers as ah\nS = ah.session.setup('{key}', profile=PROFILE, verbose=False)\n"
+            "ah.results.record('full', float(S.profile == 'full'), '')")]
+        nbformat.write(nb, nbs / f"{key}_toy.ipynb")
+    monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
+    statuses = ah.commands.course.run("quick", None, tmp_path / "out", progress=False,
+                                      parameters={"11": {"PROFILE": "full"}})
+    assert [(s["chapter"], s["ok"], s.get("profile")) for s in statuses] == [("01", True, None), ("11", True, "full")]
+    results = ah.results.load_results(tmp_path / "out" / "results")
+    assert [results[k][0]["value"] for k in ("01", "11")] == [0.0, 1.0]
+    assert "11" in ah.commands.course.GPU_CHAPTERS and "11" in ah.commands.course.FULL_ON_GPU

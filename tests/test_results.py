@@ -66,19 +66,6 @@ def test_save_figure(tmp_path):
     assert path == tmp_path / "results" / "figures" / "96_line.png" and path.stat().st_size > 0
 
 
-def test_setup_seeds_and_announces(capsys):
-    import torch
-
-    s = ah.session.setup("95", seed=3)
-    a = torch.rand(2)
-    ah.session.setup("95", seed=3, verbose=False)
-    assert torch.equal(a, torch.rand(2))
-    out = capsys.readouterr().out
-    assert "best_device" in out and s.chapter == "95" and results.current_chapter() == "95"
-    if s.device.type == "cpu":
-        assert "no GPU or TPU found" in out and s.quick
-
-
 def test_atomic_write_streams_removes_stale_temporaries_and_keeps_the_old_file_on_error(tmp_path):
     from accelhelpers.longrun import atomic_write
 

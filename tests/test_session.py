@@ -1,9 +1,21 @@
-"""session.threads and internals: the thread-count context manager and the private-API wrappers."""
+"""session (setup, threads) and internals: a chapter's first cell, the thread-count context manager and the
+private-API wrappers."""
 
 import pytest
 import torch
 
 import accelhelpers as ah
+
+
+def test_setup_seeds_and_announces(capsys):
+    s = ah.session.setup("95", seed=3)
+    a = torch.rand(2)
+    ah.session.setup("95", seed=3, verbose=False)
+    assert torch.equal(a, torch.rand(2))
+    out = capsys.readouterr().out
+    assert "best_device" in out and s.chapter == "95" and ah.results.current_chapter() == "95"
+    if s.device.type == "cpu":
+        assert "no GPU or TPU found" in out and s.quick
 
 
 def test_threads_sets_and_restores_even_on_error():
@@ -39,10 +51,11 @@ def test_dynamo_explain_counts_a_graph_break():
     assert ex.graph_count == 2 and ex.graph_break_count == 1
 
 
-def test_reset_accelerate_state_lets_a_second_accelerator_start():
+def test_reset_accelerate_state_lets_a_second_accelerator_start(monkeypatch):
     import os
 
-    os.environ.setdefault("USE_TORCH_XLA", "0")
+    if "USE_TORCH_XLA" not in os.environ:
+        monkeypatch.setenv("USE_TORCH_XLA", "0")
     from accelerate import Accelerator
 
     Accelerator(cpu=True, gradient_accumulation_steps=2)

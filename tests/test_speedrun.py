@@ -1,13 +1,12 @@
 """Chapter 11's speedrun (accelhelpers.speedrun, exported from notebooks/11_speedrun.ipynb): the synthetic language and
 its exact floor, the GPT (shapes, causality, SDPA == attention written out, weight tying), the FLOP count by hand and
 against torch's counter, MFU, the row machinery (a new row needs no other edit), training to a target (and a target
-that cannot be reached), the chapter's own DDP worker, and the course runner's pieces for chapter 11."""
+that cannot be reached), the chapter's own DDP worker, and the README's table of recorded times to target."""
 
 import json
 import math
 from dataclasses import asdict, replace
 
-import nbformat
 import numpy as np
 import pytest
 import torch
@@ -204,30 +203,6 @@ def test_the_chapters_ddp_worker_trains_a_row_on_two_ranks(tmp_path, lang, data)
     assert out["world"] == 2 and out["backend"] == "gloo"
     assert len(row["tokens_per_s"]) == len(row["reference"]) == 3 and row["compile_s"] is None
     assert [r["seed"] for r in row["runs"]] == [0, 1] and all(r["reached"] for r in row["runs"])
-
-
-@pytest.mark.slow
-def test_the_course_runner_gives_a_chapter_its_own_profile(tmp_path, monkeypatch):
-    """The device check runs chapter 11's full profile on a GPU: run(..., parameters={key: {...}}) reaches that
-    chapter's parameters cell only, and its status says which profile it ran."""
-    nbs = tmp_path / "notebooks"
-    nbs.mkdir()
-    for key in ("01", "11"):
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        params = nbformat.v4.new_code_cell("PROFILE = None")
-        params.metadata["tags"] = ["parameters"]
-        nb.cells = [params, nbformat.v4.new_code_cell(
-            f"import accelhelpers as ah\nS = ah.session.setup('{key}', profile=PROFILE, verbose=False)\n"
-            "ah.results.record('full', float(S.profile == 'full'), '')")]
-        nbformat.write(nb, nbs / f"{key}_toy.ipynb")
-    monkeypatch.setenv("ACCEL_NOTEBOOKS", str(nbs))
-    statuses = ah.commands.course.run("quick", None, tmp_path / "out", progress=False,
-                                      parameters={"11": {"PROFILE": "full"}})
-    assert [(s["chapter"], s["ok"], s.get("profile")) for s in statuses] == [("01", True, None), ("11", True, "full")]
-    results = ah.results.load_results(tmp_path / "out" / "results")
-    assert [results[k][0]["value"] for k in ("01", "11")] == [0.0, 1.0]
-    assert "11" in ah.commands.course.GPU_CHAPTERS and "11" in ah.commands.course.FULL_ON_GPU
 
 
 def test_the_readme_shows_the_best_recorded_time_to_target_per_hardware(tmp_path):
