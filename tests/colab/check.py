@@ -43,10 +43,23 @@ sys.path.insert(0, str(HERE.parent))
 from conftest import COST as _FILE_COST  # noqa: E402
 
 COST = {stem[:2]: seconds for stem, seconds in _FILE_COST.items() if stem[:2].isdigit()}
-# Seconds each chapter's smoke profile took, one chapter at a time on the 2-core machine (2026-12-03): the GPU
-# image's runners take them longest first.
-SMOKE_COST = {"01": 40, "02": 169, "03": 55, "04": 70, "05": 107, "06": 133, "07": 96, "08": 92, "09": 92,
-              "10": 113, "11": 250, "12": 74}
+# Seconds each chapter's smoke profile took in this harness (the GPU image's torch 2.11, two runners on the 2-core
+# machine, CI's clone of 2026-12-03; 07 stops at once without torch_xla): the runners share them out by them.
+SMOKE_COST = {"01": 42, "02": 172, "03": 52, "04": 131, "05": 102, "06": 156, "07": 9, "08": 101, "09": 102,
+              "10": 117, "11": 409, "12": 68}
+
+
+def share_out(keys: list[str], cost: dict[str, float], jobs: int) -> list[list[str]]:
+    """The chapters split among `jobs` runners so they finish together: longest first, each to the runner with the
+    least work so far (a greedy longest-processing-time schedule; dealing them out in turns left one runner 5 min
+    behind the other when chapter 11 alone was half of its share)."""
+    shares: list[list[str]] = [[] for _ in range(jobs)]
+    load = [0.0] * jobs
+    for key in sorted(keys, key=lambda k: -cost.get(k, 0)):
+        i = load.index(min(load))
+        shares[i].append(key)
+        load[i] += cost.get(key, 0)
+    return [s for s in shares if s]
 
 
 def colab_pins(kind: str) -> dict[str, str]:
@@ -106,6 +119,50 @@ def check_disk(kind: str, env_dir: Path) -> None:
                  f"(torch's CUDA build): free some space (old .venv-colab-* folders, build/) and run again")
 
 
+# The TPU image's torch, torchvision and torch_xla are the course's own pins, which .venv holds (with torch's CUDA
+# libraries and triton, about 6.6 GB). Instead of downloading and unpacking them a second time (about 5 minutes of
+# CI), the image's venv sees .venv's copies through a .pth file, as Colab ships them preinstalled; pip installs the
+# rest itself. They are linked from a folder outside the venv, so pip never uninstalls them, and only where .venv's
+# versions are the image's: otherwise pip installs the image's own.
+SHARED = {"tpu": ("torch", "torchvision", "torch-xla", "triton")}
+LIST_DISTS = """
+import importlib.metadata as m, json, sys, sysconfig
+want = set(sys.argv[1:])
+dists = {}
+for d in m.distributions():
+    name = d.metadata["Name"].lower()
+    if name in want or name.startswith("nvidia-"):
+        dists[name] = [d.version, sorted({str(f).split("/")[0] for f in d.files or [] if not str(f).startswith("..")})]
+print(json.dumps({"site": sysconfig.get_paths()["purelib"], "dists": dists}))
+"""
+
+
+def link_shared(kind: str, py: Path) -> bool:
+    """Let the image's venv `py` import .venv's copies of SHARED[kind] (and torch's nvidia-* libraries) where their
+    versions are the image's; whether it did."""
+    names = SHARED.get(kind, ())
+    base = ROOT / ".venv" / "bin" / "python"
+    if not names or not base.exists():
+        return False
+    found = json.loads(subprocess.run([str(base), "-c", LIST_DISTS, *names], capture_output=True, text=True,
+                                      check=True).stdout)
+    pins = colab_pins(kind)
+    if any(found["dists"].get(n, [None])[0] is None or found["dists"][n][0].split("+")[0] != pins.get(n)
+           for n in names if n in pins):
+        print(f"not linking .venv's {', '.join(names)}: their versions are not the {kind} image's", flush=True)
+        return False
+    shared = ROOT / "build" / f"colab-{kind}-shared"
+    shutil.rmtree(shared, ignore_errors=True)
+    shared.mkdir(parents=True)
+    for top in sorted({t for _, tops in found["dists"].values() for t in tops}):
+        (shared / top).symlink_to(Path(found["site"]) / top)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "_accel_course_shared.pth").write_text(f"{shared}\n")
+    print(f"linked .venv's {', '.join(names)} and torch's nvidia libraries into the {kind} image's venv", flush=True)
+    return True
+
+
 def make_env(kind: str) -> Path:
     env_dir = ROOT / f".venv-colab-{kind}"
     py = env_dir / "bin" / "python"
@@ -119,6 +176,7 @@ def make_env(kind: str) -> Path:
     check_disk(kind, env_dir)
     if not py.exists():
         venv.create(env_dir, with_pip=True)
+    link_shared(kind, py)
     build = ROOT / "build"
     build.mkdir(exist_ok=True)
     constraints = build / f"colab-{kind}-constraints.txt"
@@ -151,8 +209,8 @@ PROFILE = {"gpu": "smoke", "tpu": "quick"}  # the profile each image's chapters 
 
 def run_chapters(py: Path, kind: str, only: str | None, jobs: int = 2) -> int:
     """Run the chapters with the installed course's runner, in `jobs` runners at once (each its own share of the
-    chapters and its own folder; what they measure is not compared here, only that each chapter runs), longest
-    first in turns so the runners finish together."""
+    chapters and its own folder; what they measure is not compared here, only that each chapter runs), shared out
+    so that the runners finish together (share_out)."""
     out = ROOT / "build" / f"colab-{kind}"
     shutil.rmtree(out, ignore_errors=True)  # a runner merges into an existing run.json: start from none
     env = {**os.environ, "ACCEL_DEVICE": "cpu", "PJRT_DEVICE": "CPU", "TQDM_DISABLE": "1",
@@ -160,9 +218,7 @@ def run_chapters(py: Path, kind: str, only: str | None, jobs: int = 2) -> int:
            "PYTHONPATH": ""}  # the installed course, not the checkout's folder
     keys = [k.strip().zfill(2) for k in only.split(",")] if only else \
         sorted(p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    cost = SMOKE_COST if PROFILE[kind] == "smoke" else COST
-    keys.sort(key=lambda k: -cost.get(k, 0))
-    shares = [keys[i::jobs] for i in range(jobs) if keys[i::jobs]]
+    shares = share_out(keys, SMOKE_COST if PROFILE[kind] == "smoke" else COST, jobs)
     procs = []
     for i, share in enumerate(shares):
         cmd = [str(py), "-m", "accelhelpers", "course", "run", "--profile", PROFILE[kind],
