@@ -179,20 +179,23 @@ def test_colab_opens_each_chapter_on_its_accelerator(nb):
     assert "colab" in meta
 
 
-def test_the_colab_check_stops_in_one_line_before_an_image_that_cannot_fit(tmp_path, monkeypatch):
+@pytest.fixture()
+def check():
+    """tests/colab/check.py, the harness of make test-colab, as a module."""
     spec = importlib.util.spec_from_file_location("colab_check", ROOT / "tests" / "colab" / "check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
+    return check
+
+
+def test_the_colab_check_stops_in_one_line_before_an_image_that_cannot_fit(check, tmp_path, monkeypatch):
     monkeypatch.setattr(check.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2 * 2**30))
     with pytest.raises(SystemExit, match=r"^error: 2\.0 GB free on this disk; Colab's gpu image needs about 9 GB"):
         check.check_disk("gpu", tmp_path / ".venv-colab-gpu")
     check.check_disk("gpu", tmp_path)  # an installed image's folder: updating it needs far less, so no check
 
 
-def test_the_colab_runners_get_shares_that_finish_together():
-    spec = importlib.util.spec_from_file_location("colab_check", ROOT / "tests" / "colab" / "check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+def test_the_colab_runners_get_shares_that_finish_together(check):
     cost = {"a": 10, "b": 6, "c": 5, "d": 4, "e": 3}
     # longest first, each to the runner with less work so far: 10+4 against 6+5+3 (dealing in turns gave 18 and 10)
     assert check.share_out(list("edcba"), cost, 2) == [["a", "d"], ["b", "c", "e"]]
