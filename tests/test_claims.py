@@ -112,6 +112,22 @@ def facts(chapter: str) -> dict[str, str]:
     return listed
 
 
+KINDS = re.compile(r"https?://|\b(?:workload|constants?|arithmetic|definition|specification|counted|exercise|"
+                   r"man page|datasheet|IEEE \d+|source|docs)\b", re.I)
+
+
+def reason_problem(reason: str) -> str | None:
+    """What is wrong with a listed fact's reason: it must be a constant of the workload or of a check, arithmetic
+    shown, a definition or specification, or a named source (linked, or a man page, a datasheet, a standard, a
+    library's source or docs), and name no source too vaguely to be found."""
+    vague = sources(reason)
+    if vague:
+        return f"names a source too vaguely to be found: {', '.join(map(repr, vague))}"
+    if not KINDS.search(reason):
+        return "says neither which constant, which arithmetic, nor which named source makes it a fact"
+    return None
+
+
 def unlisted(nb: Path) -> list[str]:
     """Claims in the notebook's markdown that its chapter's list does not hold."""
     listed = facts(nb.name[:2])
@@ -167,6 +183,21 @@ def test_the_checker_catches_what_it_must_negative_control():
 def test_the_checker_leaves_code_math_and_links_alone():
     text = "Call `torch.randn(64, 4000)` then $2 \\times 10^3$ see [paper 3](https://x.org/1706.02677) ```\n8 bits\n```"
     assert claims(text) == []
+
+
+@pytest.mark.parametrize("chapter", sorted(p.stem for p in (ROOT / "tests" / "claims").glob("*.txt")))
+def test_every_listed_reason_is_a_constant_arithmetic_or_a_named_source(chapter):
+    bad = [f"{claim!r}: {why}" for claim, reason in facts(chapter).items() if (why := reason_problem(reason))]
+    assert not bad, f"tests/claims/{chapter}.txt:\n  " + "\n  ".join(bad)
+
+
+def test_the_reason_rule_rejects_vague_and_missing_sources_negative_control():
+    assert reason_problem("a popular guide") == "names a source too vaguely to be found: 'popular guide'"
+    assert reason_problem("everyone knows it").startswith("says neither which constant")
+    assert reason_problem("older tutorials on the web (https://example.org)").startswith("names a source too vaguely")
+    for good in ("workload: 4 hidden layers", "cited: sbatch man page, --signal", "arithmetic: 2^-5 = 1/32",
+                 "NVIDIA T4 datasheet (https://www.nvidia.com/t4)", "the tolerance of the check, a constant of it"):
+        assert reason_problem(good) is None, good
 
 
 @pytest.mark.parametrize("chapter", sorted(p.stem for p in (ROOT / "tests" / "claims").glob("*.txt")))

@@ -119,3 +119,36 @@ def test_the_course_runner_gives_a_chapter_its_own_profile(tmp_path, monkeypatch
     results = ah.results.load_results(tmp_path / "out" / "results")
     assert [results[k][0]["value"] for k in ("01", "11")] == [0.0, 1.0]
     assert "11" in ah.commands.course.GPU_CHAPTERS and "11" in ah.commands.course.FULL_ON_GPU
+
+
+# --- papermill reads every chapter's parameters cell ---------------------------------------------------------------
+def papermill_parameters(source: str) -> tuple[list[str], list[str]]:
+    """The parameter names papermill's Python translator finds in a parameters cell, and the warnings it logs (an `=`
+    inside a comment makes it skip the line: "Unable to parse line 3 ...")."""
+    import logging
+
+    from papermill.translators import PythonTranslator
+
+    logger, caught = logging.getLogger("papermill"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: caught.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        found = PythonTranslator.inspect(nbformat.v4.new_code_cell(source))
+    finally:
+        logger.removeHandler(handler)
+    return [p.name for p in found], caught
+
+
+@pytest.mark.parametrize("chapter", sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")))
+def test_papermill_parses_every_line_of_each_parameters_cell(chapter):
+    nb = nbformat.read(ROOT / "notebooks" / chapter, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    names, warnings = papermill_parameters(cell.source)
+    assigned = [line.split("=")[0].strip() for line in cell.source.splitlines() if line and not line.startswith("#")]
+    assert not warnings and names == assigned, (chapter, warnings, sorted(set(assigned) - set(names)))
+
+
+def test_papermill_parameters_catches_an_equals_sign_in_a_comment_negative_control():
+    names, warnings = papermill_parameters("A = 1  # fine\nB = 500  # 4000 = 8 x 500\n")
+    assert names == ["A"] and warnings == ["Unable to parse line 2 'B = 500  # 4000 = 8 x 500'."]
