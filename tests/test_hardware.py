@@ -99,27 +99,34 @@ def test_hardware_report_says_native_cuda_bf16(monkeypatch, torch_says_bf16):
 
 # --- chapter 11: the FlashAttention row and the row after it -------------------------------------------------------
 
-ROWS = [ah.speedrun.Row("baseline"), ah.speedrun.Row("SDPA", {"attention": "sdpa"}),
-        ah.speedrun.Row("mixed precision", {"precision": "mixed"}),
+ROWS = [ah.speedrun.Row("SDPA", {"attention": "sdpa"}), ah.speedrun.Row("mixed precision", {"precision": "mixed"}),
         ah.speedrun.Row("FlashAttention", {"backend": "flash"}),
         ah.speedrun.Row("CUDA graphs", {"compile": "reduce-overhead"})]
 
 
+def faster_with_each_change(tr, seed):
+    changed = sum(getattr(tr.recipe, f) != getattr(ah.speedrun.Recipe(), f) for f in ("attention", "precision",
+                                                                                      "backend", "compile"))
+    return ah.speedrun.TargetRun(seed, True, 100, 10.0 * 0.9**changed, 1.0)
+
+
 @pytest.mark.parametrize("name", PROFILES)
-def test_flash_row_runs_only_from_sm80_and_its_backend_is_not_inherited_when_skipped(name):
+def test_flash_row_runs_only_from_sm80_and_its_backend_is_not_inherited_when_skipped(name, stub_trainer):
     hw, _, _, flash = PROFILES[name]
     assert hw.flash_attention is flash
     why = ah.speedrun.needs({"backend": "flash"}, hw, devices=1)
     assert (why is None) is flash
     if hw.kind == "cuda" and not flash:
         assert why == f"needs compute capability 8.0 or newer (FlashAttention), {hw.gpu} here"
-    planned = {p.row.name: p for p in ah.speedrun.plan(ROWS, hw, devices=1)}
-    assert (planned["FlashAttention"].skipped is None) is flash
-    graphs = planned["CUDA graphs"]
+    start = stub_trainer(ah.speedrun.Recipe())
+    _, trials = ah.speedrun.keep_what_helps(ROWS, start, stub_trainer, [0, 1], faster_with_each_change, hw, devices=1)
+    tried = {t.name: t for t in trials}
+    assert (tried["FlashAttention"].skipped is None) is flash
+    graphs = tried["CUDA graphs"]
     if hw.kind != "cuda":
         assert graphs.skipped == "skipped: needs CUDA (CUDA graphs)"
-    else:  # a T4 runs CUDA graphs, on the row that ran before the skipped FlashAttention row
-        assert graphs.skipped is None
+    else:  # a T4 tries CUDA graphs on the stack kept before the skipped FlashAttention row
+        assert graphs.skipped is None and graphs.kept
         assert graphs.recipe == ah.speedrun.Recipe(attention="sdpa", precision="mixed", compile="reduce-overhead",
                                                    backend="flash" if flash else None)
 
