@@ -6,8 +6,10 @@ packages (`make slurm` installs them where apt-get can); anywhere else `unavaila
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import stat
@@ -112,12 +114,15 @@ def task_hardware(env: Mapping[str, str]) -> _Hardware:
     return replace(hw, kind="cuda", gpus=len(visible), **FAKE_GPU)
 
 
-def config(folder: Path, node: str, cpus: int, ctld_port: int, d_port: int, gpus: int = 0) -> str:
+def config(folder: Path, node: str, cpus: int, ctld_port: int, d_port: int, gpus: int = 0,
+           overrides: bool = False) -> str:
     """slurm.conf for one node with `cpus` CPUs: no cgroups (proctrack/linuxproc, task/none), state under `folder`,
-    job completions logged to a text file (sacct would need slurmdbd and a database). With `gpus`, a GPU GRES of that
-    many (gres.conf beside it names the devices), and slurmd takes the node's CPUs from here, not from the hardware
-    (config_overrides): one task per GPU may need more CPUs than this machine has."""
-    gres = "GresTypes=gpu\nSlurmdParameters=config_overrides\n" if gpus else ""
+    job completions logged to a text file (`sacct -c` reads it; sacct's database needs slurmdbd). With `gpus`, a GPU
+    GRES of that many (gres.conf beside it names the devices). With `gpus` or `overrides`, slurmd takes the node's
+    CPUs from here, not from the hardware (config_overrides): one task per GPU may need more CPUs than this machine
+    has, and jobs that mostly wait can share its cores."""
+    gres = "GresTypes=gpu\n" if gpus else ""
+    gres += "SlurmdParameters=config_overrides\n" if gpus or overrides else ""
     node_gres = f" Gres=gpu:{gpus}" if gpus else ""
     return f"""# A one-node Slurm for the course (accelhelpers.slurm); every path under {folder}
 ClusterName=accel
@@ -147,6 +152,21 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
 
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """How many tasks Slurm started on node `node_id` of the job, from SLURM_TASKS_PER_NODE ("2(x3),1": three nodes
+    of 2, then one of 1): torchrun's LOCAL_WORLD_SIZE for a job of one task per rank, right on uneven layouts too."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise ValueError(f"SLURM_TASKS_PER_NODE={tasks_per_node!r}: expected counts like '2(x3),1'")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise ValueError(f"node {node_id} is not one of the {len(counts)} nodes of "
+                         f"SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+    return counts[node_id]
+
+
 def fields(line: str) -> dict[str, str]:
     """`Key=Value Key=Value ...` (scontrol -o, the jobcomp log) as a dict."""
     return dict(re.findall(r"(\w+)=(\S*)", line))
@@ -160,6 +180,8 @@ class Cluster:
     node: str
     cpus: int
     gpus: int = 0
+    echo: bool = False  # print each command as `run` runs it (`$ sbatch ...`), as a learner would type it
+    cwd: Path | None = None  # the folder commands run in (a login node's working folder); None: this process's
 
     @property
     def conf(self) -> Path:
@@ -172,9 +194,14 @@ class Cluster:
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": path}
 
-    def run(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        """A Slurm command (`sbatch`, `scontrol`, ...) against this cluster."""
-        r = subprocess.run(list(args), capture_output=True, text=True, env=self.env(), timeout=timeout)
+    def run(self, *args: str, check: bool = True, timeout: float = 60, echo: bool | None = None
+            ) -> subprocess.CompletedProcess:
+        """A Slurm command (`sbatch`, `scontrol`, ...) against this cluster, in `cwd`; with `echo` (default: the
+        cluster's) printed first as `$ command`."""
+        if self.echo if echo is None else echo:
+            print("$", shlex.join(str(a) for a in args), flush=True)
+        r = subprocess.run([str(a) for a in args], capture_output=True, text=True, env=self.env(), timeout=timeout,
+                           cwd=self.cwd)
         if check and r.returncode != 0:
             raise SlurmError(f"{' '.join(args)} failed: {(r.stderr or r.stdout).strip()}")
         return r
@@ -184,16 +211,23 @@ class Cluster:
         cmd = ["sbatch", "--parsable", *options, str(script), *(str(a) for a in args)]
         return int(self.run(*cmd).stdout.strip().split(";")[0])
 
-    def job(self, job: int) -> dict[str, str]:
+    def job(self, job: int, echo: bool | None = False) -> dict[str, str]:
         """What `scontrol show job` says of `job` (JobState, Reason, Restarts, ExitCode, ...)."""
-        return fields(self.run("scontrol", "-o", "show", "job", str(job)).stdout)
+        return fields(self.run("scontrol", "-o", "show", "job", str(job), echo=echo).stdout)
 
-    def wait(self, job: int, states: tuple[str, ...] = DONE, timeout: float = 120) -> dict[str, str]:
-        """Poll until `job` is in one of `states`; its fields then."""
+    def wait(self, job: int, states: tuple[str, ...] = DONE, timeout: float = 120, restarts: int = 0
+             ) -> dict[str, str]:
+        """Poll `scontrol show job` every 0.2 s (echoed once) until `job` is in one of `states` after at least
+        `restarts` requeues (or has ended); its fields then."""
         deadline = time.monotonic() + timeout
+        if self.echo:
+            print(f"$ scontrol -o show job {job}   # every 0.2 s, until JobState is {'/'.join(states[:3])}"
+                  f"{'/...' if len(states) > 3 else ''}{f' after {restarts} restart(s)' if restarts else ''}",
+                  flush=True)
         while True:
             info = self.job(job)
-            if info.get("JobState") in states:
+            state = info.get("JobState")
+            if (state in states and int(info.get("Restarts", 0)) >= restarts) or (restarts and state in DONE):
                 return info
             if time.monotonic() > deadline:
                 raise SlurmError(f"job {job} still {info.get('JobState')} after {timeout:.0f} s (waiting for "
@@ -204,13 +238,22 @@ class Cluster:
         """Preempt `job` as a scheduler does (`scontrol requeue`: the job's processes get SIGTERM, the job goes back
         to the queue), then let it start again now. Returns how many seconds ahead Slurm had set the requeued job's
         begin time (how long it would have waited without `starttime=now`)."""
+        restarts = int(self.job(job).get("Restarts", 0))
         self.run("scontrol", "requeue", str(job))
-        deadline = time.monotonic() + timeout
-        while (info := self.job(job)).get("JobState") not in ("PENDING", *DONE):
-            if time.monotonic() > deadline:
-                raise SlurmError(f"job {job} did not go back to the queue within {timeout:.0f} s")
-            time.sleep(0.2)
+        return self.start_now(job, restarts + 1, timeout)
+
+    def start_now(self, job: int, restarts: int = 1, timeout: float = 120) -> float:
+        """Once `job` is back in the queue after its `restarts`-th requeue, start it now (`scontrol update jobid=N
+        starttime=now`): Slurm holds a requeued job for its credential lifetime (AuthInfo cred_expire, 120 s by
+        default), though not in the second of the requeue. Returns how many seconds ahead Slurm had set its begin time
+        (0 if the job had ended instead)."""
+        info = self.wait(job, ("PENDING",), timeout, restarts=restarts)
+        if info.get("JobState") != "PENDING":
+            return 0.0
         ahead = time.mktime(time.strptime(info["StartTime"], "%Y-%m-%dT%H:%M:%S")) - time.time()
+        # slurmd revoked the last attempt's credential at the requeue, and refuses any credential of this job created
+        # in that second or before ("Job N already killed, do not launch batch job" in slurmd.log): start it in the next
+        time.sleep(math.floor(time.time()) + 1.2 - time.time())
         self.run("scontrol", "update", f"jobid={job}", "starttime=now")
         return ahead
 
@@ -235,9 +278,10 @@ class Cluster:
 
 
 def start(folder: str | Path | None = None, cpus: int | None = None, timeout: float = 30, gpus: int = 0) -> Cluster:
-    """Configure and start a one-node Slurm in `folder` (default build/slurm) on free ports; wait until the node
-    is idle. `gpus`: that many fake GPUs as a GRES (the node then has at least one CPU per GPU). Raises
-    SlurmUnavailable (one line: why, and what to do) where it cannot run."""
+    """Configure and start a one-node Slurm in `folder` (default build/slurm) on free ports, with `cpus` CPUs (default:
+    this machine's cores; more are allowed); wait until the node is idle. `gpus`: that many fake GPUs as a GRES (the
+    node then has at least one CPU per GPU). Raises SlurmUnavailable (one line: why, and what to do) where it cannot
+    run."""
     if gpus < 0:
         raise ValueError(f"gpus={gpus}: a node has 0 or more GPUs")
     reason = unavailable(gpus)
@@ -252,7 +296,9 @@ def start(folder: str | Path | None = None, cpus: int | None = None, timeout: fl
     if gpus:
         fake_gpus(cluster.folder, gpus)
         (cluster.folder / "gres.conf").write_text(gres_config(cluster.folder, gpus))
-    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, launch.free_port(), launch.free_port(), gpus))
+    more = cluster.cpus > (os.cpu_count() or 1)  # more CPUs than this machine has: the node must not check them
+    ports = launch.free_port(), launch.free_port()
+    cluster.conf.write_text(config(cluster.folder, node, cluster.cpus, *ports, gpus, overrides=more))
     _munge()
     for daemon in ("slurmctld", "slurmd"):
         r = subprocess.run([daemon, "-f", str(cluster.conf)], capture_output=True, text=True, env=cluster.env())

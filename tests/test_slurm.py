@@ -46,6 +46,8 @@ def test_without_slurm_the_chapter_explains_itself_and_runs_to_the_end(tmp_path)
 def test_config_is_one_node_without_cgroups(tmp_path):
     conf = ah.slurm.config(tmp_path, "node1", 4, 7001, 7002)
     assert "NodeName=node1 CPUs=4" in conf and "ProctrackType=proctrack/linuxproc" in conf
+    assert "SlurmdParameters" not in conf and "SlurmdParameters=config_overrides" in ah.slurm.config(
+        tmp_path, "node1", 64, 7001, 7002, overrides=True)  # more CPUs than the machine: slurmd must not check
     assert "TaskPlugin=task/none" in conf and f"StateSaveLocation={tmp_path}/state" in conf
     assert ah.slurm.fields("JobId=3 JobState=FAILED ExitCode=1:0") == {"JobId": "3", "JobState": "FAILED",
                                                                        "ExitCode": "1:0"}
@@ -71,6 +73,50 @@ def test_without_mknod_the_gpus_are_refused_in_one_line(monkeypatch):
     assert reason and "\n" not in reason and "CAP_MKNOD" in reason and "start(gpus=0)" in reason
 
 
+def test_tasks_on_node_reads_uneven_layouts():
+    """SLURM_TASKS_PER_NODE compresses repeats: "2(x3),1" is three nodes of 2 tasks, then one of 1. The first
+    count alone (what train.py read before) is wrong on the last node."""
+    layout = "2(x3),1"
+    assert [ah.slurm.tasks_on_node(layout, n) for n in range(4)] == [2, 2, 2, 1]
+    assert [ah.slurm.tasks_on_node("8,4", n) for n in (0, 1)] == [8, 4] and ah.slurm.tasks_on_node("2", 0) == 2
+    for bad, node in (("2(x3),1", 4), ("two", 0)):
+        with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE"):
+            ah.slurm.tasks_on_node(bad, node)
+
+
+def test_a_cluster_echoes_its_commands_as_a_learner_would_type_them(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append((cmd, kw["cwd"]))
+        return subprocess.CompletedProcess(cmd, 0, "7\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    c = ah.slurm.Cluster(tmp_path, "node1", 2, echo=True, cwd=tmp_path)
+    assert c.sbatch("train job.sbatch", "--job-name", "a", args=("--out", Path("x"))) == 7
+    c.run("squeue", echo=False)
+    assert capsys.readouterr().out == "$ sbatch --parsable --job-name a 'train job.sbatch' --out x\n"
+    assert calls == [(["sbatch", "--parsable", "--job-name", "a", "train job.sbatch", "--out", "x"], tmp_path),
+                     (["squeue"], tmp_path)]
+
+
+def test_a_requeued_job_is_started_in_the_second_after_its_requeue(tmp_path, monkeypatch):
+    """slurmd refuses a job's credential created in the second it revoked the last one (the requeue): a requeued job
+    that train.py ended at once was started in that second and killed ("Job 9 already killed, do not launch batch
+    job"). start_now waits for the next whole second; a fake clock, so no second passes here."""
+    clock = [1000.6]
+    monkeypatch.setattr(ah.slurm.time, "time", lambda: clock[0])
+    monkeypatch.setattr(ah.slurm.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + max(s, 0.0)))
+    c = ah.slurm.Cluster(tmp_path, "node1", 2)
+    pending = {"JobState": "PENDING", "Restarts": "1", "StartTime": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    monkeypatch.setattr(c, "wait", lambda *a, **k: pending)
+    updated = []
+    monkeypatch.setattr(c, "run", lambda *args, **kw: updated.append((args, clock[0])))
+    c.start_now(7)
+    assert [args for args, _ in updated] == [("scontrol", "update", "jobid=7", "starttime=now")]
+    assert int(updated[0][1]) > int(1000.6)  # not in the second the job was seen back in the queue
+
+
 def test_a_tasks_hardware_is_its_visible_gpus_and_its_own_binding(monkeypatch):
     monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")  # this process's own Slurm variables are set aside
     hw = ah.slurm.task_hardware({"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_GPUS_PER_NODE": "4"})
@@ -89,18 +135,32 @@ def live(reason: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    live(ah.slurm.unavailable())
-    c = ah.slurm.start(tmp_path_factory.mktemp("slurm"))
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("jobs")
     write_workers("12", folder)
     return folder
+
+
+# Two jobs that mostly wait are submitted as the cluster starts, so that their waits overlap the other tests' jobs:
+# the time-limit job (chapter 12's ddp_limit.sbatch: --time=1, --signal=USR1@20) waits 10-40 s for its signal, asleep
+# (30 steps of 1.5 s outlast the latest signal; the resumed attempt runs at speed), and the hung-rank job waits for its
+# 3-s collective timeout. The node has 6 CPUs on any machine: 2 for each of them, 2 for the other tests' jobs.
+BACKGROUND = {
+    "limited": ("ddp_limit.sbatch", ("--steps", 30, "--every", 5, "--check-every", 1, "--step-s", 1.5,
+                                     "--fast-resume")),
+    "hung": ("ddp_tasks.sbatch", ("--steps", 30, "--die-rank", 1, "--die-at", 5, "--hang", "--timeout-s", 3)),
+}
+SUBMITTED: dict[str, tuple[int, Path]] = {}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, jobs):
+    live(ah.slurm.unavailable())
+    c = ah.slurm.start(tmp_path_factory.mktemp("slurm"), cpus=6)
+    for name, (script, args) in BACKGROUND.items():
+        SUBMITTED[name] = run(c, jobs, script, name, args=args)
+    yield c
+    c.stop()
 
 
 def run(cluster, jobs, script, name, *options, args=(), timeout=180):
@@ -133,11 +193,17 @@ def test_one_and_two_tasks_train_the_same_model(cluster, jobs):
     assert ah.metrics.max_abs_diff(finals[1], finals[2]) < 1e-4
 
 
-@pytest.mark.slow
-def test_a_requeued_job_resumes_to_the_same_bits(cluster, jobs):
-    args = ("--steps", 30, "--every", 5, "--step-s", 0.05)
-    job, straight = run(cluster, jobs, "ddp_tasks.sbatch", "straight", args=args)
+@pytest.fixture(scope="module")
+def straight(cluster, jobs):
+    """The uninterrupted 30-step run that the requeued runs must end on, bit for bit."""
+    job, out = run(cluster, jobs, "ddp_tasks.sbatch", "straight", args=("--steps", 30, "--every", 5))
     assert cluster.wait(job, timeout=180)["JobState"] == "COMPLETED"
+    return torch.load(out / "final.pt")
+
+
+@pytest.mark.slow
+def test_a_requeued_job_resumes_to_the_same_bits(cluster, jobs, straight):
+    args = ("--steps", 30, "--every", 5, "--step-s", 0.05)
     job, out = run(cluster, jobs, "ddp_tasks.sbatch", "requeued", args=args)
     deadline = time.monotonic() + 120
     while not any(ah.longrun.read_checkpoint(p)["step"] >= 10 for p in (out / "ckpt").glob("step_*.pt")):
@@ -148,10 +214,28 @@ def test_a_requeued_job_resumes_to_the_same_bits(cluster, jobs):
     log = (jobs / f"requeued-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
     assert "preempted (SIGTERM)" in log and "attempt 2: 2 ranks, starting at step" in log
-    a, b = torch.load(straight / "final.pt"), torch.load(out / "final.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    b = torch.load(out / "final.pt")
+    assert all(torch.equal(straight[k], b[k]) for k in straight)
     states = [h["JobState"] for h in cluster.history() if h["JobId"] == str(job)]
     assert states == ["PENDING", "COMPLETED"]  # one line per attempt in the job history
+    sacct = cluster.run("sacct", "-c", "-n", "--format=JobID,State").stdout.split()
+    assert [state for jid, state in zip(sacct[::2], sacct[1::2]) if jid == str(job)] == states  # sacct reads the log
+
+
+@pytest.mark.slow
+def test_a_job_near_its_time_limit_saves_requeues_itself_and_resumes_to_the_same_bits(cluster, jobs, straight):
+    """The chapter's ddp_limit.sbatch (--time=1, --signal=USR1@20): every task gets SIGUSR1 10-40 s into the job;
+    train.py saves and runs `scontrol requeue`; the next attempt resumes. Slurm alone would end the job at its limit
+    (TIMEOUT) and never requeue it; a train.py that does not catch SIGUSR1 dies of it (FAILED)."""
+    job, out = SUBMITTED["limited"]  # submitted by the cluster fixture
+    cluster.start_now(job, restarts=1, timeout=120)  # requeued by train.py: start it without cred_expire's wait
+    info = cluster.wait(job, timeout=120)
+    log = (jobs / f"limited-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert re.search(r"\[rank0\] SIGUSR1 [\d.]+ s into this attempt: saved step \d+, \$ scontrol requeue", log), log
+    assert "attempt 2: 2 ranks, starting at step" in log and "time limit 1:00" in log
+    b = torch.load(out / "final.pt")
+    assert all(torch.equal(straight[k], b[k]) for k in straight)
 
 
 @pytest.mark.slow
@@ -162,8 +246,23 @@ def test_a_killed_rank_fails_the_job_with_its_reason(cluster, jobs):
     info = cluster.wait(job, timeout=120)
     log = (jobs / f"crash-{job}.out").read_text()
     assert info["JobState"] == "FAILED" and info["Reason"] == "NonZeroExitCode", log
-    assert "killing myself at step 5" in log and "task 1: Killed" in log
+    assert "killing (SIGKILL) myself at step 5" in log and "task 1: Killed" in log
     assert not (out / "final.pt").exists() and time.monotonic() - t0 < 60  # failed, not hung to a timeout
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_ended_by_the_collective_timeout(cluster, jobs):
+    """Rank 1 stops itself (SIGSTOP): alive, so srun's --kill-on-bad-exit sees nothing; rank 0 waits in the
+    all-reduce until the process group's 3-s timeout, raises, exits 1, and only then does srun end the job."""
+    job, out = SUBMITTED["hung"]  # submitted by the cluster fixture
+    info = cluster.wait(job, timeout=120)
+    log = (jobs / f"hung-{job}.out").read_text()
+    assert info["JobState"] == "FAILED" and not (out / "final.pt").exists(), log
+    stopped = float(re.search(r"\[rank1\] stopping \(SIGSTOP\) myself at step 5, at ([\d.]+)", log)[1])
+    ended = time.mktime(time.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S"))  # Slurm's record, whole seconds
+    assert 3 - 1 <= ended - stopped < 30, log  # not before the timeout, and not PyTorch's default 30 minutes
+    assert re.search(r"\[rank0\]: RuntimeError: .*Timed out", log), log
+    assert re.search(r"srun: error: \S+: task 0: Exited with exit code 1", log), log  # rank 0's own error
 
 
 # --- with GPUs: a GPU GRES of fake devices, bound to the tasks by Slurm's own code ----------------------------------
@@ -188,7 +287,7 @@ def task_envs(folder: Path) -> list[dict[str, str]]:
 def decision(env: dict[str, str]) -> tuple[torch.device, str, str]:
     """chapter 06's rank_placement for the task Slurm started with `env` (local world read as train.py reads it),
     and the node's GPU its device is."""
-    local_world = int(env["SLURM_TASKS_PER_NODE"].split("(")[0].split(",")[0])
+    local_world = ah.slurm.tasks_on_node(env["SLURM_TASKS_PER_NODE"], int(env["SLURM_NODEID"]))
     device, backend = ah.parallel.rank_placement(ah.slurm.task_hardware(env), int(env["SLURM_LOCALID"]), local_world)
     visible = env.get("CUDA_VISIBLE_DEVICES", "").split(",")
     return device, backend, visible[device.index] if device.type == "cuda" else "-"
