@@ -50,18 +50,19 @@ def test_links_rewrites_a_stale_badge_and_setup_cell(tmp_path):
     to it, and `--check` then finds nothing left."""
     import shutil
 
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "README_zh.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(ROOT / "notebooks", tmp_path / "notebooks", ignore=shutil.ignore_patterns("[!0-9]*"))
     py = tmp_path / "pyproject.toml"
     py.write_text(py.read_text().replace(REPO_URL, "https://github.com/someone/fork"))
     changed = ah.commands.links.sync(tmp_path)
-    assert len(changed) == len(NOTEBOOKS) + 1
+    assert len(changed) == len(NOTEBOOKS) + 2
     assert ah.commands.links.sync(tmp_path, check=True) == []
     for nb in sorted((tmp_path / "notebooks").glob("*.ipynb")):
         assert f"git+https://github.com/someone/fork@{RELEASE}" in _setup_source(nb)
         assert "github/someone/fork/blob/" in "".join(_cells(nb)[0]["source"])
     assert "github/someone/fork/blob/" in (tmp_path / "README.md").read_text()
+    assert "github/someone/fork/blob/" in (tmp_path / "README_zh.md").read_text()  # the Chinese map's badges too
 
 
 def test_links_refuses_a_repository_that_is_not_a_github_url(tmp_path):

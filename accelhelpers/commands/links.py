@@ -71,8 +71,8 @@ def _source(text: str) -> list[str]:
 
 
 def sync(root: Path | None = None, check: bool = False) -> list[str]:
-    """Write every chapter's badge and setup cell and the README's badges from pyproject.toml; with `check`, write
-    nothing. Returns the files that differed."""
+    """Write every chapter's badge and setup cell and the badges of README.md and README_zh.md from pyproject.toml;
+    with `check`, write nothing. Returns the files that differed."""
     root = root or repo_root()
     if root is None:
         raise CommandError("run from inside the accel-course checkout (no pyproject.toml found)")
@@ -90,11 +90,13 @@ def sync(root: Path | None = None, check: bool = False) -> list[str]:
             if not check:
                 nb["cells"][0]["source"], code["source"] = _source(new_first), _source(new_setup)
                 atomic_write_text(path, json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    readme = root / "README.md"
-    text = readme.read_text()
-    new = README_BADGE_RE.sub(lambda m: badge(repo, m.group(1), alt="Colab"), text)
-    if new != text:
-        changed.append(readme.name)
-        if not check:
-            atomic_write_text(readme, new)
+    for readme in (root / "README.md", root / "README_zh.md"):  # the course map in English and in Chinese
+        if not readme.exists():
+            continue
+        text = readme.read_text()
+        new = README_BADGE_RE.sub(lambda m: badge(repo, m.group(1), alt="Colab"), text)
+        if new != text:
+            changed.append(readme.name)
+            if not check:
+                atomic_write_text(readme, new)
     return changed
