@@ -381,7 +381,7 @@ def needs(change: dict[str, Any], hw: ah.device.Hardware, devices: int) -> str |
         return f"needs {change['world']} devices, {devices} here"
     return None
 
-
+# %% ../notebooks/11_speedrun.ipynb #84afd409
 @dataclass
 class Planned:
     """A row, and where it runs here: in `world` processes, or skipped with the reason."""
@@ -579,7 +579,7 @@ def next_check(step: int, loss: float, target: float, every: int, near: float, n
     `near_every` steps on once it is within `near` of it."""
     return step + (near_every if loss - target <= near else every)
 
-
+# %% ../notebooks/11_speedrun.ipynb #ef448275
 def run_to_target(
     tr: Trainer,
     seed: int,
@@ -651,7 +651,7 @@ class Trial:
         runs = {k: [TargetRun(**r) for r in d[k]] for k in ("runs", "stack_runs")}
         return cls(**{**d, "recipe": recipe, **runs})
 
-
+# %% ../notebooks/11_speedrun.ipynb #9e8b7d59
 def spread(values: Sequence[float]) -> tuple[float, float, float]:
     """(median, lowest, highest)."""
     return statistics.median(values), min(values), max(values)
@@ -696,7 +696,7 @@ def paired_runs(
                 out[k].append(run(tr, seed))
     return out
 
-
+# %% ../notebooks/11_speedrun.ipynb #d55ade73
 def keep_what_helps(
     rows: Sequence[Row],
     stack: Trainer,
@@ -735,7 +735,7 @@ def keep_what_helps(
             report(trial)
     return stack, trials
 
-
+# %% ../notebooks/11_speedrun.ipynb #ecbe4763
 def decision(trial: Trial) -> str:
     """What became of a candidate, and the measurements it rests on."""
     if trial.skipped or trial.failed:
