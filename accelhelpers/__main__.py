@@ -63,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--out", type=Path, default=None, help="output folder (default: build/device-check/)")
     dc.add_argument("--record", action="store_true", help="also copy it into results/device-check_<hardware>_<date>/")
     dc.add_argument("--only", default=None, help="comma-separated chapter numbers (default: all that can use it)")
-    rd = csub.add_parser("readme", help="write the README's results tables from results/")
+    dc.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                    help="a papermill parameter for the chapters, as in `course run` (repeatable)")
+    dc.add_argument("--bench-rounds", type=int, default=None, help="bench fullbatch's --rounds (default its own)")
+    dc.add_argument("--bench-round-s", type=float, default=None, help="bench fullbatch's --round-s (default its own)")
+    rd = csub.add_parser("readme", help="write the README's chapter map and results tables from results/")
     rd.add_argument("--check", action="store_true", help="only check that the README's tables are current")
     lk = csub.add_parser("links", help="write the chapters' Colab badges and setup cells (and the README's badges) "
                          "from pyproject.toml's [project.urls] Repository and the package version")
@@ -118,13 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.action == "readme":
             if course.write_readme(check=args.check):
-                print("README.md: results tables " + ("are current" if args.check else "written from results/"))
+                print("README.md: chapter map and results tables "
+                      + ("are current" if args.check else "written from results/"))
                 return 0
-            print("README.md: the results tables differ from results/: run `python -m accelhelpers course readme`",
-                  file=sys.stderr)
+            print("README.md: the chapter map or results tables differ from results/: run "
+                  "`python -m accelhelpers course readme`", file=sys.stderr)
             return 1
         if args.action == "device-check":
-            print(f"device check: {course.device_check(args.out, args.record, args.only)}")
+            bench = [f"--{flag}={value}" for flag, value in (("rounds", args.bench_rounds),
+                                                              ("round-s", args.bench_round_s)) if value is not None]
+            print(f"device check: {course.device_check(args.out, args.record, args.only, args.param, tuple(bench))}")
             return 0
         if args.action == "run":
             statuses = course.run(args.profile, args.only, args.out, param=args.param)

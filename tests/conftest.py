@@ -36,16 +36,16 @@ def compat_teardown_abort(output: str) -> bool:
 # `make test` runs on two xdist workers, one file at a time each, in collection order (`--no-loadscope-reorder`:
 # xdist would otherwise send the files with the most tests first): the longest files go first, so that the short ones
 # fill the end and no worker is left alone with a long file. The seconds are each file's wall time on its worker in
-# a fresh clone's `make test` on the 2-core machine (2026-12-02; chapters 11 and 12 and test_slurm re-timed
-# 2026-12-03). A file not named here goes after these, in the usual order.
-COST = {"11_speedrun": 165, "12_on_a_cluster": 150, "test_slurm": 100, "test_course": 96,
-        "06_distributed_data_parallel": 92, "test_fullbatch": 85, "02_fullbatch_fast_loop": 76,
-        "03_momentum_adam_one_cycle": 69, "test_parallel": 67, "test_reproduce": 67, "08_quantization_onnx_fpga": 56,
+# a fresh clone's `make test` on the 2-core machine (2026-12-02; chapters 02, 03, 11 and 12, test_slurm and
+# test_course_runner re-timed from CI's log of 2026-12-03). A file not named here goes after these, in the usual order.
+COST = {"11_speedrun": 335, "12_on_a_cluster": 180, "03_momentum_adam_one_cycle": 155, "02_fullbatch_fast_loop": 110,
+        "test_slurm": 100, "test_course_runner": 100, "test_course": 96, "06_distributed_data_parallel": 92,
+        "test_fullbatch": 85, "test_parallel": 67, "test_reproduce": 67, "08_quantization_onnx_fpga": 56,
         "09_long_runs": 56, "05_input_pipeline": 48, "07_tpus_and_xla": 45, "test_worker_edits": 40,
         "10_deployment_toolflows": 35, "01_hardware_and_timing": 32, "test_browser": 31, "04_mixed_precision": 28,
         "test_toolflows": 16, "test_speedrun": 15, "test_checkpoint": 14, "test_peers": 11, "test_longrun": 10,
-        "test_course_runner": 10, "test_precision": 10, "test_nonfinite": 10, "test_progress": 7, "test_oom": 7,
-        "test_pipeline": 7, "test_xla": 6, "test_deploy": 5}
+        "test_precision": 10, "test_nonfinite": 10, "test_progress": 7, "test_oom": 7, "test_pipeline": 7,
+        "test_xla": 6, "test_deploy": 5}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -232,27 +232,114 @@ def test_report_says_when_a_chapter_measured_under_noise(tmp_path):
 
 @pytest.mark.slow
 def test_readme_tables_are_exactly_what_the_command_writes():
-    """The README's results tables come from results/ (`python -m accelhelpers course readme`), never typed."""
+    """The README's chapter map and results tables come from results/ (`python -m accelhelpers course readme`)."""
 
     r = cli("course", "readme", "--check")
     assert r.returncode == 0, r.stderr
-    begin, end = ah.commands.course.README_BEGIN, ah.commands.course.README_END
-    block = (ROOT / "README.md").read_text().split(begin)[1].split(end)[0]
-    assert block.strip() == ah.commands.course.readme_tables().strip() and "| loop | model-steps/s" in block
+    text, course = (ROOT / "README.md").read_text(), ah.commands.course
+    block = text.split(course.README_BEGIN)[1].split(course.README_END)[0]
+    assert block.strip() == course.readme_tables().strip() and "| loop | model-steps/s" in block
+    chapters = text.split(course.MAP_BEGIN)[1].split(course.MAP_END)[0]
+    assert chapters.strip() == course.chapter_map().strip() and "| 01 | [" in chapters
+
+
+def _readme_with_a_cell_typed(text: str, begin: str, end: str) -> str:
+    """The README with the third cell of the first data row inside begin...end replaced by a typed figure."""
+    head, rest = text.split(begin, 1)
+    block, tail = rest.split(end, 1)
+    lines = block.splitlines()
+    row = lines[next(i for i, line in enumerate(lines) if line.startswith("|---")) + 1]
+    cells = row.split(" | ")
+    typed = " | ".join([*cells[:2], "99 s", *cells[3:]])
+    assert typed != row
+    return f"{head}{begin}{block.replace(row, typed, 1)}{end}{tail}"
+
+
+def test_the_readme_is_what_course_readme_writes_now():
+    """README.md holds exactly what `course readme` writes from the newest recorded runs: no table is stale."""
+    assert ah.commands.course.write_readme(ROOT / "README.md", check=True), \
+        "README.md is stale: run `python -m accelhelpers course readme`"
+
+
+@pytest.mark.parametrize("block", ["chapters", "results"])
+def test_a_hand_edited_cell_of_a_readme_table_is_stale(tmp_path, block):
+    """One typed cell in the chapter map or a results table fails the check, and `course readme` writes it back."""
+    course, real = ah.commands.course, (ROOT / "README.md").read_text()
+    begin, end = (course.MAP_BEGIN, course.MAP_END) if block == "chapters" else (course.README_BEGIN, course.README_END)
+    readme = tmp_path / "README.md"
+    readme.write_text(_readme_with_a_cell_typed(real, begin, end))
+    assert course.write_readme(readme, check=True) is False
+    assert course.write_readme(readme) is True and readme.read_text() == real
+
+
+def test_every_table_in_the_readme_is_generated():
+    """A README table lies between the markers of a command that writes it (`course readme`, or
+    `tools/gpu_estimate.py --readme` for the GPU estimate), never typed by hand."""
+    course = ah.commands.course
+    blocks = [(course.MAP_BEGIN, course.MAP_END), (course.README_BEGIN, course.README_END),
+              ("<!-- gpu-estimate:begin -->", "<!-- gpu-estimate:end -->")]
+    text = (ROOT / "README.md").read_text()
+    for begin, end in blocks:
+        assert text.count(begin) == 1 and text.count(end) == 1, begin
+        head, rest = text.split(begin, 1)
+        text = head + rest.split(end, 1)[1]
+    assert [line for line in text.splitlines() if line.lstrip().startswith("|")] == []
+
+
+def test_the_chapter_map_is_the_newest_course_run_with_the_badges_of_course_links(tmp_path):
+    """Every chapter in notebooks/, with its time and first headline in the course run that finished last, a failed
+    chapter's error, a chapter the run did not reach, and the badge `course links` writes."""
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n[project.urls]\n'
+                                             'Repository = "https://github.com/someone/fork"\n')
+    (tmp_path / "notebooks").mkdir()
+    for name in ("01_a.ipynb", "02_b.ipynb", "03_c.ipynb"):
+        (tmp_path / "notebooks" / name).write_text("{}")
+
+    def recorded(name, finished, seconds):
+        folder = tmp_path / "results" / name
+        (folder / "results").mkdir(parents=True)
+        chs = {"01": {"chapter": "01", "notebook": "01_a.ipynb", "ok": True, "error": None, "seconds": seconds},
+               "02": {"chapter": "02", "notebook": "02_b.ipynb", "ok": False, "error": "OSError: disk", "seconds": 2.0}}
+        (folder / "run.json").write_text(json.dumps({"profile": "quick", "finished": finished,
+                                                     "hardware": {"cpu": "AMD EPYC", "cpu_cores": 2}, "chapters": chs}))
+        (folder / "results" / "01.json").write_text(json.dumps([
+            {"name": "copy_bandwidth", "value": 17.4, "unit": "GB/s", "note": ""},
+            {"name": "fp32_matmul_peak", "value": seconds, "unit": "GFLOP/s", "note": "", "spread": [1.0, 300.0],
+             "repeats": 3}]))
+
+    recorded("course_new", "2026-12-03 14:45:21", 206.0)
+    recorded("course_old", "2026-11-30 21:13:00", 150.0)  # its name sorts last; it finished first
+    lines = ah.commands.course.chapter_map(tmp_path / "results").splitlines()
+    assert "`results/course_new/`" in lines[0] and "quick profile" in lines[0] and "AMD EPYC, 2 cores" in lines[0]
+    rows = [line for line in lines if line.startswith("| 0")]
+    badge = ah.commands.links.badge("https://github.com/someone/fork", "01_a.ipynb", alt="Colab")
+    assert rows[0] == ("| 01 | [Your hardware, and timing it honestly](notebooks/01_a.ipynb) | 206 s | fp32 matmul "
+                       f"peak: **206 GFLOP/s (range 1 GFLOP/s–300 GFLOP/s, 3 repeats)** | {badge} |")
+    assert "| 2 s | FAILED: OSError: disk |" in rows[1] and "| – | not in that run |" in rows[2] and len(rows) == 3
+    for folder in (tmp_path / "results").iterdir():
+        (folder / "run.json").unlink()
+    with pytest.raises(ah.commands.course.CourseError, match="no recorded course run"):
+        ah.commands.course.chapter_map(tmp_path / "results")
 
 
 def test_readme_check_fails_when_a_table_was_edited_by_hand(tmp_path, monkeypatch):
 
     readme = tmp_path / "README.md"
-    begin, end = ah.commands.course.README_BEGIN, ah.commands.course.README_END
-    readme.write_text(f"intro\n{begin}\n| typed | 99× |\n{end}\nrest\n")
-    assert ah.commands.course.write_readme(readme, check=True) is False
-    assert ah.commands.course.write_readme(readme) is True
-    assert ah.commands.course.write_readme(readme, check=True) is True
+    course = ah.commands.course
+    begin, end = course.README_BEGIN, course.README_END
+    readme.write_text(f"intro\n{course.MAP_BEGIN}\n| typed | 9 s |\n{course.MAP_END}\n{begin}\n| typed | 99× |\n{end}"
+                      "\nrest\n")
+    assert course.write_readme(readme, check=True) is False
+    assert course.write_readme(readme) is True
+    assert course.write_readme(readme, check=True) is True
     assert readme.read_text().startswith("intro\n") and readme.read_text().endswith("rest\n")
-    readme.write_text("no markers")
-    with pytest.raises(ah.commands.course.CourseError, match="no results markers"):
-        ah.commands.course.write_readme(readme)
+    assert "| typed |" not in readme.read_text()
+    readme.write_text(f"{course.MAP_BEGIN}\n{course.MAP_END}\nno results markers")
+    with pytest.raises(course.CourseError, match="no results markers"):
+        course.write_readme(readme)
+    readme.write_text(f"{begin}\n{end}\nno chapter map")
+    with pytest.raises(course.CourseError, match="no chapter-map markers"):
+        course.write_readme(readme)
 
 
 def test_a_damaged_recorded_udlbook_run_is_bad_input_for_the_readme(tmp_path):

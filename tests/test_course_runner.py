@@ -152,3 +152,38 @@ def test_papermill_parses_every_line_of_each_parameters_cell(chapter):
 def test_papermill_parameters_catches_an_equals_sign_in_a_comment_negative_control():
     names, warnings = papermill_parameters("A = 1  # fine\nB = 500  # 4000 = 8 x 500\n")
     assert names == ["A"] and warnings == ["Unable to parse line 2 'B = 500  # 4000 = 8 x 500'."]
+
+
+@pytest.mark.slow
+def test_the_device_check_runs_end_to_end(tmp_path):
+    """`course device-check` as a GPU machine runs it, on this CPU with chapter 01's small sizes and a one-round
+    benchmark: the hardware report, the benchmark's JSON, the chapter and its report; a bad --param stops it in one
+    line before the benchmark's minutes. (CI ran `make device-check --only 01` as a stage of its own before: 175 s.)"""
+    from tests.conftest import CHAPTER_01_PARAMS
+
+    env = {**ENV, "ACCEL_RESULTS_DIR": str(tmp_path / "results"), "ACCEL_BUILD": str(tmp_path / "build")}
+    params = [arg for p in CHAPTER_01_PARAMS for arg in ("--param", p)]
+    cmd = [sys.executable, "-m", "accelhelpers", "course", "device-check", "--only", "01", "--out",
+           str(tmp_path / "dc"), "--bench-rounds", "1", "--bench-round-s", "0.05"]
+    r = subprocess.run([*cmd, *params], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out = tmp_path / "dc"
+    assert json.loads((out / "bench_fullbatch.json").read_text())["rounds"] == 1
+    assert json.loads((out / "hardware.json").read_text())["best_device"] == "cpu"
+    assert [k for k, st in json.loads((out / "run.json").read_text())["chapters"].items() if st["ok"]] == ["01"]
+    assert (out / "report.md").exists() and f"device check: {out}" in r.stdout
+    bad = subprocess.run([*cmd, "--param", "NO_SUCH=1"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=120)
+    assert bad.returncode == 2 and "NO_SUCH" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "interleaved rounds" not in bad.stdout  # the benchmark never started
+
+
+def test_the_device_check_never_records_over_a_recorded_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(ah.commands.course, "results_root", lambda: tmp_path / "results")
+    hw = ah.device.hardware_report()
+    day = time.strftime("%Y-%m-%d")
+    target = tmp_path / "results" / f"device-check_{ah.commands.course.hardware_slug(hw)}_{day}"
+    (target / "results").mkdir(parents=True)
+    with pytest.raises(ah.commands.course.CourseError, match="already holds a recorded device check"):
+        ah.commands.course.device_check(tmp_path / "dc", record=True, only="01")
+    assert not (tmp_path / "dc").exists() and list(target.iterdir()) == [target / "results"]  # nothing written

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -355,3 +356,19 @@ def test_the_fake_gpus_live_in_the_clusters_folder_and_go_when_it_stops(gpu_clus
     assert gpu_cluster.run("sinfo", "-h", "-o", "%G").stdout.strip() == f"gpu:{GPUS}"
     gpu_cluster.stop()
     assert not (gpu_cluster.folder / "dev").exists() and (gpu_cluster.folder / "slurm.conf").exists()
+
+
+def test_a_stop_signal_during_start_up_waits_for_the_handler_instead_of_killing_the_task(tmp_path):
+    """Slurm's warning comes when Slurm's clock says, not when train.py is ready: a SIGTERM (or SIGUSR1) that arrives
+    while train.py still imports torch would end the task (their default action; the CI failure of a loaded host).
+    train.py blocks both from its first lines, so the signal waits and the loop's handler saves and stops."""
+    workers = write_workers("12", tmp_path / "jobs")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(ah.launch.free_port()), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(workers["train.py"]), "--out", str(tmp_path / "run"), "--steps", "20",
+                             "--check-every", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    time.sleep(0.5)  # past Python's start and train.py's first lines; torch's import takes longer on any machine
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "[rank0] preempted (SIGTERM): saved step 1, exiting" in out, out

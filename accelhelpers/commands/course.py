@@ -413,11 +413,13 @@ def hardware_slug(hw: dict[str, Any]) -> str:
     return f"{kind}-{slug}"
 
 
-def device_check(out: Path | None = None, record: bool = False, only: str | None = None) -> Path:
+def device_check(out: Path | None = None, record: bool = False, only: str | None = None,
+                 param: list[str] | None = None, bench_args: tuple[str, ...] = ()) -> Path:
     """The hardware report, `bench fullbatch` and every chapter that can use this machine's accelerator (quick
     profile; on a GPU, the chapters of FULL_ON_GPU in their full profile) into `out` (default build/device-check);
     with `record`, copied into results/device-check_<hardware>_<date>/, refusing a folder that already exists
-    (recorded evidence is never overwritten)."""
+    (recorded evidence is never overwritten). `param` (NAME=VALUE) goes to the chapters as in `course run`, and
+    `bench_args` to `bench fullbatch` (its --rounds, --round-s: the tests' small check of the machinery)."""
     import shutil
     import subprocess
     import sys
@@ -428,14 +430,16 @@ def device_check(out: Path | None = None, record: bool = False, only: str | None
     if record and target.exists():
         raise CourseError(f"{target} already holds a recorded device check: move it away or run without --record")
     keys = only or ",".join(k for k in chapters() if k in GPU_CHAPTERS or (k == "07" and hw["best_device"] == "xla"))
-    check_args("quick", keys, out)
+    selected = check_args("quick", keys, out)
+    if param:
+        parse_parameters(param, selected)  # a bad NAME=VALUE stops here, before the benchmark's minutes
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "hardware.json", json.dumps(hw, indent=1))
     print(format_report(hw), flush=True)
     bench = subprocess.run([sys.executable, "-m", "accelhelpers", "bench", "fullbatch", "--json",
-                            str(out / "bench_fullbatch.json")], text=True)
+                            str(out / "bench_fullbatch.json"), *bench_args], text=True)
     full = {key: {"PROFILE": "full"} for key in FULL_ON_GPU} if hw.get("gpu") else None
-    statuses = run("quick", keys, out, parameters=full)
+    statuses = run("quick", keys, out, parameters=full, param=param)
     report(out)
     if record:
         shutil.copytree(out, target, ignore=shutil.ignore_patterns("notebooks", "ch[0-9][0-9]", "*.onnx", "*.pt"))
@@ -451,10 +455,47 @@ def results_root() -> Path:
     return default_out().parent / "results"
 
 
-# --- the README's results tables, written from results/ (never typed) ---------------------------------------------
+# --- the README's chapter map and results tables, written from results/ (never typed) -------------------------
 
 README_BEGIN = "<!-- results:begin (written by `python -m accelhelpers course readme`; do not edit by hand) -->"
 README_END = "<!-- results:end -->"
+MAP_BEGIN = "<!-- chapters:begin (written by `python -m accelhelpers course readme`; do not edit by hand) -->"
+MAP_END = "<!-- chapters:end -->"
+
+
+def _latest_run(root: Path, pattern: str) -> Path | None:
+    """The recorded run of a kind (`course_*`, `device-check_*`) under results/ that finished last; None if none."""
+    runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()), key=lambda p: _load_run(p)["finished"])
+    return runs[-1] if runs else None
+
+
+def chapter_map(root: Path | None = None) -> str:
+    """The README's chapter map: every chapter in notebooks/ with its time and first headline in the newest recorded
+    course run under results/, and its Colab badge as `course links` writes it (from pyproject.toml)."""
+    from .links import badge, repository
+
+    root = root or results_root()
+    checkout, folder = root.parent, _latest_run(root, "course_*")
+    if folder is None:
+        raise CourseError(f"no recorded course run under {root}: the chapter map's times and headlines come from one "
+                          "(results/course_<hardware>_<date>/, with run.json and results/)")
+    run_info, repo, rel = _load_run(folder), repository(checkout), folder.relative_to(checkout)
+    first: dict[str, str] = {}
+    for key, label, value, _ in headlines(_results(folder / "results")):
+        first.setdefault(key, f"{label}: **{value}**")
+    lines = [f"Each chapter's time and headline come from the newest recorded `make course` run ({run_info['profile']} "
+             f"profile; {machine_line(run_info.get('hardware') or {})}; finished {run_info['finished']}; "
+             f"[`{rel}/`]({rel}/)). Your machine will measure its own.\n",
+             f"| # | chapter | time ({run_info['profile']} profile) | headline on that machine | open |",
+             "|---|---|---|---|---|"]
+    for key, nb in chapters(checkout / "notebooks").items():
+        st = run_info["chapters"].get(key)
+        seconds = f"{st['seconds']:.0f} s" if st else "–"
+        head = ("not in that run" if st is None else first.get(key, "no headline recorded") if st["ok"]
+                else f"FAILED: {st['error']}")
+        lines.append(f"| {key} | [{TITLES.get(key, nb.stem)}](notebooks/{nb.name}) | {seconds} | {head} | "
+                     f"{badge(repo, nb.name, alt='Colab')} |")
+    return "\n".join(lines)
 
 
 def _bench_table(path: Path) -> list[str]:
@@ -564,10 +605,9 @@ def readme_tables(root: Path | None = None) -> str:
             parts.append(_udlbook_table(run[1] / f"{EXPERIMENT}.json"))
     for pattern, what in (("course_*", "The whole course, `make course`"),
                           ("device-check_*", "The device check, `make device-check`")):
-        runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()),
-                      key=lambda p: _load_run(p)["finished"])
-        if runs:
-            parts.append(_run_table(runs[-1], what))
+        latest = _latest_run(root, pattern)
+        if latest:
+            parts.append(_run_table(latest, what))
     speedrun = _speedrun_table(root)
     if speedrun:
         parts.append(speedrun)
@@ -575,14 +615,16 @@ def readme_tables(root: Path | None = None) -> str:
 
 
 def write_readme(readme: Path | None = None, check: bool = False) -> bool:
-    """Write the results tables between the README's markers; with `check`, only say whether they are current."""
+    """Write the chapter map and the results tables between the README's markers; with `check`, only say whether
+    they are current."""
     readme = readme or results_root().parent / "README.md"
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise CourseError(f"{readme} has no results markers: put {README_BEGIN!r} and {README_END!r} where the "
-                          "tables go")
-    head, rest = text.split(README_BEGIN, 1)
-    new = f"{head}{README_BEGIN}\n{readme_tables()}\n{README_END}{rest.split(README_END, 1)[1]}"
+    text = new = readme.read_text()
+    for what, begin, end, body in (("chapter-map", MAP_BEGIN, MAP_END, chapter_map),
+                                   ("results", README_BEGIN, README_END, readme_tables)):
+        if begin not in new or end not in new:
+            raise CourseError(f"{readme} has no {what} markers: put {begin!r} and {end!r} where the tables go")
+        head, rest = new.split(begin, 1)
+        new = f"{head}{begin}\n{body()}\n{end}{rest.split(end, 1)[1]}"
     if check:
         return new == text
     atomic_write_text(readme, new)
