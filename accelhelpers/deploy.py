@@ -190,7 +190,7 @@ def calib_batches(calib_x: Any, batch: int, who: str) -> list[np.ndarray]:
         raise ValueError(f"{who} needs calibration rows (a few hundred training inputs)")
     return [x[i : i + batch] for i in range(0, len(x), batch)]
 
-
+# %% ../notebooks/08_quantization_onnx_fpga.ipynb #49c25362
 def quantize_onnx_static(src: str | Path, dst: str | Path, calib_x: Any, batch: int = 64) -> Path:
     """ONNX Runtime static int8 in QDQ format: activation ranges fixed beforehand on calibration data (fed to the
     model's input 'x', the name `export_onnx` gives it)."""
@@ -322,7 +322,7 @@ def hls_config(
         layer["Precision"].update(dict.fromkeys(fields, p))
     return cfg
 
-
+# %% ../notebooks/08_quantization_onnx_fpga.ipynb #1bfee329
 def hls_convert(
     model: nn.Module,
     n_features: int,

@@ -110,7 +110,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         else:
             return model
 
-
+# %% ../notebooks/09_long_runs.ipynb #0cf9d0e7
 def digest(obj: Any) -> str:
     """SHA-256 of a nested state (dict/list/tuple of tensors and plain values), independent of device."""
     h = hashlib.sha256()
@@ -205,7 +205,7 @@ def save_checkpoint(
                 old.unlink(missing_ok=True)
     return path
 
-
+# %% ../notebooks/09_long_runs.ipynb #60c0e37a
 def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load and verify one checkpoint file safely (weights_only); CheckpointError names a bad file."""
     path = Path(path)
@@ -233,7 +233,7 @@ def read_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         )
     return state
 
-
+# %% ../notebooks/09_long_runs.ipynb #c6550fdc
 def _files(folder: Path) -> list[Path]:
     """The checkpoint files in `folder` (not the temporaries of a save in progress; none if it is no folder)."""
     return (
@@ -372,7 +372,7 @@ def _read_or_fall_back(path: Path, fallback: str, map_location: str | torch.devi
         warnings.warn(f"{e}; loaded {other} (step {state['step']}) instead", CheckpointWarning, stacklevel=3)
         return other, state
 
-
+# %% ../notebooks/09_long_runs.ipynb #32fa4317
 def load_checkpoint(
     path: str | Path,
     model: nn.Module,

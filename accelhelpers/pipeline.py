@@ -155,7 +155,7 @@ class LoaderTiming:
         lo, hi = self.items_per_s_range
         return f"{self.items_per_s:,.0f} ({lo:,.0f}-{hi:,.0f})"
 
-
+# %% ../notebooks/05_input_pipeline.ipynb #6dc9a680
 def compare_loaders(
     loaders: dict[str, Iterable],
     device: torch.device | str = "cpu",
@@ -256,7 +256,7 @@ def profile_steps(
         prof.export_chrome_trace(str(trace))
     return prof
 
-
+# %% ../notebooks/05_input_pipeline.ipynb #22401493
 def top_ops(
     prof: torch.profiler.profile, n: int = 8, device: bool = False, skip: tuple[str, ...] = ("train_step",)
 ) -> list[tuple[str, float, int]]:
@@ -298,7 +298,7 @@ class Starvation:
             return f"partly starved: {self.share:.0%} of each step waits on data."
         return f"fed: only {self.share:.0%} of each step waits on data; speed up the step itself."
 
-
+# %% ../notebooks/05_input_pipeline.ipynb #3fd994d7
 def data_wait_share(
     loader: Iterable,
     step: Callable[[torch.Tensor, torch.Tensor], object],

@@ -155,7 +155,7 @@ class Noise:
             f"matmul {ref} ({self.drift:.0%} drift)"
         )
 
-
+# %% ../notebooks/01_hardware_and_timing.ipynb #a2d9e17b
 def load_average() -> float | None:
     """The 1-minute load average, to 2 decimals (None where the OS has none)."""
     try:

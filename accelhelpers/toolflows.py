@@ -164,7 +164,7 @@ def converted_from(path: str | Path, model: nn.Module, calib_x: Any) -> bool:
     x = np.ascontiguousarray(np.asarray(calib_x, dtype=np.float32))
     return path.exists() and stamp.exists() and stamp.read_text() == fingerprint(model, x)
 
-
+# %% ../notebooks/10_deployment_toolflows.ipynb #23b885e7
 def litert_convert_int8(
     model: nn.Module, calib_x: Any, path: str | Path, script: str | Path, timeout_s: float = 600
 ) -> Path:
@@ -226,7 +226,7 @@ def litert_interpreter(path: str | Path, threads: int = 1) -> Any:
         interp.allocate_tensors()
     return interp
 
-
+# %% ../notebooks/10_deployment_toolflows.ipynb #f9946da4
 def _qparams(tensor: dict[str, Any]) -> Any:
     """A LiteRT tensor's scale and zero-point, with the range of its integer type (int8 or uint8)."""
     info = np.iinfo(tensor["dtype"])
@@ -251,7 +251,7 @@ def litert_run(interp: Any, x: Any) -> np.ndarray:
         y = ah.deploy.dequantize(y, _qparams(out))
     return np.asarray(y, dtype=np.float32)
 
-
+# %% ../notebooks/10_deployment_toolflows.ipynb #ecbf3eb3
 def litert_ops(path: str | Path) -> dict[str, list[str]]:
     """Op name -> dtypes of its outputs in a .tflite (shows that the ops between the quantizers are int8)."""
     ah.tools.require("ai_edge_litert")
@@ -376,7 +376,7 @@ def qonnx_for_hls4ml(path: str | Path) -> Any:
         model = model.transform(ConvertToChannelsLastAndClean()).transform(GemmToMatMul())
         return cleanup_model(model)
 
-
+# %% ../notebooks/10_deployment_toolflows.ipynb #388ee64c
 def hls_from_qonnx(model: Any, out_dir: str | Path) -> Any:
     """Convert a cleaned QONNX model to an hls4ml Vitis project (io_parallel) and build its bit-accurate emulation
     with g++; the Quant nodes set each tensor's ap_fixed type, anything they do not cover gets fixed<32,16>."""

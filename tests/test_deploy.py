@@ -150,7 +150,7 @@ def test_state_dict_and_onnx_bytes(tmp_path):
     assert ah.deploy.onnx_bytes(tmp_path / "m.onnx") == 5
 
 
-# Left to nbval at full size: fp32 parity, int8 ops, int8 by hand == ORT (chapter 08 cells 25, 34, 36); here 16 rows.
+# Left to nbval at full size: fp32 parity, int8 ops, int8 by hand == ORT (chapter 08 cells 25, 35, 37); here 16 rows.
 @needs_ort
 def test_onnx_export_parity_and_int8_by_hand_equals_ort(tmp_path, blobs, trained, onnx_path):
     x, _ = blobs
@@ -278,7 +278,7 @@ def test_hls_config_overrides():
         ah.deploy.hls_config(ah.models.mlp([4, 8, 3]), 4, "float32")
 
 
-# Left to nbval: hls4ml == the NumPy firmware model, bit for bit (chapter 08 cells 68, 74); its project (cells 80, 82).
+# Left to nbval: hls4ml == the NumPy firmware model, bit for bit (chapter 08 cells 70, 76); its project (cells 82, 84).
 def test_hls_sweep_refuses_no_precisions_and_unmatched_overrides(trained, blobs, tmp_path):
     xs = blobs[0][:4].numpy()
     with pytest.raises(ValueError, match="at least one"):

@@ -88,7 +88,7 @@ def test_weights_of_a_run_and_of_its_checkpoint_agree_and_exit_reason_reads_stat
                                                                    "killed by SIGTERM"]
 
 
-# Left to nbval: a save SIGKILLed half-way (chapter 09 cell 20); SIGKILLed, resumed in a new process (cell 37).
+# Left to nbval: a save SIGKILLed half-way (chapter 09 cell 23); SIGKILLed, resumed in a new process (cell 41).
 def test_train_py_resumes_at_start_up_from_the_newest_checkpoint(tmp_path, workers):
     """train.py's train_from_checkpoint, stopped after step 13 and called again, starts at the checkpoint of step 8
     and ends with the weights, optimizer and scheduler of a run that was never stopped."""
@@ -132,4 +132,4 @@ def test_wait_for_times_out_when_the_group_has_gone_before_the_kill():
         ah.longrun.wait_for(proc, "NEVER", timeout=1)
 
 
-# Left to nbval: torchrun restarts a killed rank (chapter 09 cells 61, 82); FSDP2 shards load in 1 process (cell 46).
+# Left to nbval: torchrun restarts a killed rank (chapter 09 cells 65, 86); FSDP2 shards load in 1 process (cell 50).
