@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+SITE   := .venv-site
 NBS    := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # pip install, tried up to three times: a download cut off mid-wheel (urllib3's read error, which pip's own --retries
@@ -12,7 +13,7 @@ PIP = for i in 1 2 3; do $(1) -m pip install -q $(2) && break; \
 	echo "pip failed (attempt $$i of 3); trying again in 10 s"; sleep 10; done
 
 .PHONY: venv course smoke test test-fast test-compat test-colab device-check lab notebooks bench lint clean export \
-	browser slurm venv-edge links
+	browser slurm venv-edge links site test-site
 
 venv: $(STAMP)
 
@@ -36,7 +37,7 @@ course: venv
 # own, MKL held to AVX2, checked first to change a training run's bits here), so nbval shows that the compared
 # outputs hold on another CPU, not only on the kind that recorded them. Where no second path exists (it would not
 # change the bits), the tests run on this CPU's own kernels and say so; ACCEL_REQUIRE_SECOND_PATH=1 (CI) fails instead.
-test: venv lint browser slurm
+test: venv lint browser slurm $(SITE)/.installed
 	@path=$$($(BIN)/python tools/numeric_path.py) || { \
 		if [ -n "$$ACCEL_REQUIRE_SECOND_PATH" ]; then echo "no second numeric path on this CPU"; exit 1; fi; \
 		echo "no second numeric path on this CPU: nbval compares on its own kernels"; path=""; }; \
@@ -150,7 +151,27 @@ venv-edge: $(EDGE)/.installed
 
 $(EDGE)/.installed: $(STAMP)
 	@test -x $(EDGE)/bin/python || $(BIN)/python -m venv $(EDGE)
-	echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	@echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
 		> "$$($(EDGE)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_accel_course_venv.pth"
 	@$(call PIP,$(EDGE)/bin/python,"litert-torch==0.10.0" "torchao==0.17.0")
 	@touch $@
+
+# The course as a website in build/site/ (docs/site.md): every chapter with its stored outputs (never executed),
+# the guides, the recorded results and reports; sidebar navigation and an offline search. tools/website.py stages
+# the pages and runs Sphinx with MyST-NB and the book theme (Jupyter Book's engine; docs/conf.py), from .venv-site:
+# the pins of requirements-site.txt layered over .venv as .venv-edge is. Serve it with
+# `python3 -m http.server -d build/site`. test-site opens every page of that build in headless Chromium
+# (tests/test_site.py); `make test` installs .venv-site and its test_site builds a site of its own and opens every
+# page (so CI builds and tests the site inside `make test`).
+$(SITE)/.installed: $(STAMP) requirements-site.txt
+	@test -x $(SITE)/bin/python || $(BIN)/python -m venv $(SITE)
+	@echo "import site; site.addsitedir('$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+		> "$$($(SITE)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_accel_course_venv.pth"
+	@$(call PIP,$(SITE)/bin/python,-r requirements-site.txt)
+	@touch $@
+
+site: $(SITE)/.installed
+	$(SITE)/bin/python tools/website.py build/site
+
+test-site: site browser
+	ACCEL_SITE_DIR=build/site $(BIN)/python -m pytest tests/test_site.py -q -p no:cacheprovider --durations=5

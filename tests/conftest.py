@@ -46,6 +46,8 @@ COST = {"11_speedrun": 335, "12_on_a_cluster": 180, "03_momentum_adam_one_cycle"
         "test_toolflows": 16, "test_speedrun": 15, "test_checkpoint": 14, "test_peers": 11, "test_longrun": 10,
         "test_precision": 10, "test_nonfinite": 10, "test_progress": 7, "test_oom": 7, "test_pipeline": 7,
         "test_xla": 6, "test_deploy": 5}
+# The website's test builds the site (about 25 s) with .venv-site (which `make test` installs) and opens every page.
+COST["test_site"] = 75
 
 
 def pytest_collection_modifyitems(config, items):
