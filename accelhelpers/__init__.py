@@ -30,9 +30,9 @@ which and why: the list is short, and the test fails on any use not named here.
     train      floor    data, metrics, session, timing*, precision*  (sync from 01; the step is 04's minibatch_step)
     fullbatch  02       device, internals, data, metrics, models, session, timing
     udlbook    floor    device, results, models, fullbatch*  (udlbook's models padded as chapter 02 teaches)
-    optim      03       data, metrics, train
+    optim      03       data, metrics, timing, train
     pipeline   05       device, internals, data, metrics, timing
-    parallel   06       device, data, metrics, models, session, train
+    parallel   06       device, data, metrics, models, session, timing, train
     xla        07       device, internals, launch
     deploy     08       session, train, tools
     toolflows  10       launch, longrun, deploy, tools

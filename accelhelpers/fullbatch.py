@@ -7,13 +7,12 @@ the one-graph and many-model steps, and the ablation's interleaved benchmark."""
 __all__ = ['ORIGINAL_MODEL_EPOCHS', 'DEPTH', 'History', 'check_run', 'udlbook_loop', 'naive_fullbatch', 'compile_options',
            'FullBatchLoop', 'mlp_linears', 'pad_mlp', 'clone', 'mlp_forward_t', 'loss_t', 'fullgraph_train_step',
            'fullgraph_test_err', 'fullgraph_step', 'FullGraphLoop', 'ManyMLP', 'ManyModelsLoop', 'fastai_learner',
-           'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'rounds_of', 'run_fullbatch',
-           'table', 'GraphReport', 'graph_breaks']
+           'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'gc_counted', 'row_result',
+           'run_fullbatch', 'table', 'GraphReport', 'graph_breaks']
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #4b5b57b4
 import copy
 import gc
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -482,18 +481,45 @@ def prepare(
     steps = max(int(round_s / per_step), min(min_steps, int(1.0 / per_step)), 1)
     return partial(run, steps), warm, steps
 
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #283fb944
+def gc_counted(fns: dict[str, Callable[[], object]]) -> tuple[dict[str, Callable[[], object]], dict[str, int]]:
+    """`fns` wrapped to count the garbage collector's full passes (generation 2) during their calls: the wrapped
+    functions, and the counts they fill in, by name."""
+    counts = dict.fromkeys(fns, 0)
 
-def rounds_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each function's call in every round, the functions interleaved: round 1 runs each once, then
-    round 2, ... so that a burst of load elsewhere hits every row alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            ah.timing.sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return times
+    def counted(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            before = gc.get_stats()[2]["collections"]
+            out = fn()
+            counts[name] += gc.get_stats()[2]["collections"] - before
+            return out
+
+        return run
+
+    return {name: counted(name, fn) for name, fn in fns.items()}, counts
+
+
+def row_result(v: Variant, rates: list[float], naive: list[float], flops: int, peak: float) -> dict[str, Any]:
+    """One row of the benchmark: its steps/s in each round, and its speed-up over the naive row round by round
+    (chapter 01's spread: the median and the range)."""
+    rate = ah.timing.spread(rates)
+    speedup = ah.timing.spread(r * v.n_models / b for r, b in zip(rates, naive))
+    msps = rate.median * v.n_models
+    return {
+        "name": v.name,
+        "description": v.description,
+        "n_models": v.n_models,
+        "steps_per_s": rate.median,
+        "steps_per_s_range": (rate.lo, rate.hi),
+        "model_steps_per_s": msps,
+        "gflops": msps * flops / 1e9,
+        "precision": v.precision,
+        "fraction_of_peak": msps * flops / 1e9 / peak,
+        "speedup_vs_naive": speedup.median,
+        "speedup_range": (speedup.lo, speedup.hi),
+        "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600,
+        "model_step_s_rounds": [1 / (r * v.n_models) for r in rates],  # for round_ratios between rows
+    }
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #e7476e48
 def run_fullbatch(
@@ -520,44 +546,15 @@ def run_fullbatch(
     peaks = {"fp32": peak_gflops or ah.timing.matmul_gflops(n, data.device)}
     if any(v.precision == "bf16" for v in rows):
         peaks["bf16"] = ah.timing.matmul_gflops(n, data.device, dtype=torch.bfloat16)
-    collections = {v.name: 0 for v in rows}
-
-    def counted(name: str, fn: Callable[[], object]) -> Callable[[], object]:
-        def run() -> object:
-            before = gc.get_stats()[2]["collections"]
-            out = fn()
-            collections[name] += gc.get_stats()[2]["collections"] - before
-            return out
-
-        return run
-
-    fns = {name: counted(name, fn) for name, (fn, _, _) in prepared.items()}
-    times = rounds_of(fns, data.device, rounds)
-    rates = {name: [steps / t for t in times[name]] for name, (_, _, steps) in prepared.items()}
-    naive = rates[rows[0].name]
-    out = []
-    for v in rows:
-        rs, ratios = rates[v.name], [r * v.n_models / b for r, b in zip(rates[v.name], naive)]
-        msps = statistics.median(rs) * v.n_models
-        out.append(
-            {
-                "name": v.name,
-                "description": v.description,
-                "n_models": v.n_models,
-                "steps_per_s": statistics.median(rs),
-                "steps_per_s_range": (min(rs), max(rs)),
-                "model_steps_per_s": msps,
-                "gflops": msps * flops / 1e9,
-                "precision": v.precision,
-                "fraction_of_peak": msps * flops / 1e9 / peaks[v.precision],
-                "speedup_vs_naive": statistics.median(ratios),
-                "speedup_range": (min(ratios), max(ratios)),
-                "original_experiment_h": ORIGINAL_MODEL_EPOCHS / msps / 3600,
-                "warmup_s": prepared[v.name][1],
-                "steps_per_round": prepared[v.name][2],
-                "full_collections": collections[v.name],
-            }
-        )
+    fns, collections = gc_counted({name: fn for name, (fn, _, _) in prepared.items()})
+    timed = ah.timing.interleaved(fns, data.device, rounds, warmup=False)  # each row's call is one round's steps
+    rates = {name: [steps / t for t in timed[name].times] for name, (_, _, steps) in prepared.items()}
+    out = [
+        row_result(v, rates[v.name], rates[rows[0].name], flops, peaks[v.precision])
+        | {"warmup_s": prepared[v.name][1], "steps_per_round": prepared[v.name][2]}
+        | {"full_collections": collections[v.name]}
+        for v in rows
+    ]
     return {
         "schema": "accel-course/bench-fullbatch/3",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -7,8 +7,7 @@ EWMA, an LR finder, the one-cycle schedule, and the learning-rate sweep and seed
 __all__ = ['StepCallback', 'l2_penalty', 'decoupled_wd', 'average_grad', 'average_sqr_grad', 'count_steps', 'sgd_step',
            'momentum_step', 'rmsprop_step', 'adam_step', 'CallbackOptimizer', 'sgd', 'rmsprop', 'adam', 'set_hypers',
            'max_param_gap', 'ewma', 'LRFinderResult', 'lr_suggestions', 'lr_find', 'cos_anneal', 'one_cycle',
-           'one_cycle_on_step', 'train_recipe', 'holdout', 'lr_sweep', 'best_lr', 'fastai_history', 'median_range',
-           'to_target_stats']
+           'one_cycle_on_step', 'train_recipe', 'holdout', 'lr_sweep', 'best_lr', 'fastai_history', 'to_target_stats']
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #755e4795
 import copy
@@ -445,21 +444,15 @@ def fastai_history(learn: Any, epochs: int, lr: float, one_cycle: bool = False) 
     )
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #8f4f8c01
-def median_range(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, lowest, highest): a headline with its spread; nans when there are no values."""
-    a = np.asarray(values, float)
-    return (float(np.median(a)), float(a.min()), float(a.max())) if a.size else (math.nan,) * 3
-
-
 def to_target_stats(histories: Sequence[ah.train.FitHistory], target: float) -> dict[str, Any]:
-    """Over seeds: how many runs reached `target` accuracy, their epochs and seconds to it, and every run's final
-    accuracy, each as (median, lowest, highest)."""
+    """Over seeds: how many runs reached `target` accuracy, their epochs and seconds to it (None when none did),
+    and every run's final accuracy, each as chapter 01's Spread (median, lowest, highest)."""
     hits = [h.to_target(target) for h in histories]
-    done = [(e, s) for e, s in hits if e is not None]
+    done = [(float(e), s) for e, s in hits if e is not None]
     return {
         "reached": len(done),
         "runs": len(histories),
-        "epochs": median_range([e for e, _ in done]),
-        "seconds": median_range([s for _, s in done]),
-        "final_acc": median_range([h.final for h in histories]),
+        "epochs": ah.timing.spread(e for e, _ in done) if done else None,
+        "seconds": ah.timing.spread(s for _, s in done) if done else None,
+        "final_acc": ah.timing.spread(h.final for h in histories),
     }

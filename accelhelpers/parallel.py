@@ -11,7 +11,6 @@ __all__ = ['allreduce_gradients', 'toy_data', 'toy_model', 'shard', 'sgd_train',
 # %% ../notebooks/06_distributed_data_parallel.ipynb #a0b26290
 import datetime
 import os
-import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -151,7 +150,7 @@ def setup_rank(timeout_s: float = 60.0, announce: bool = True) -> tuple[int, int
     rank, world = init_distributed(backend, timeout_s)
     if announce and rank == 0:  # one write: another rank's output cannot cut the line
         print(
-            f"[rank0] {world} ranks, backend {backend}, "
+            f"[rank0] {world} rank{'s' * (world > 1)}, backend {backend}, "
             f"{'one GPU per rank' if device.type == 'cuda' else 'on the CPU'}\n",
             end="",
             flush=True,
@@ -164,7 +163,7 @@ def scaling_summary(result: dict[str, Any], batch: int | None = None) -> dict[st
     wrote: seconds per step of each way, one per interleaved round (the slowest rank's). Per round, N ranks of
     `batch` rows against one process of `batch` rows (speedup), against one process with every rank's threads on
     the global batch (speedup_all_cores, CPU ranks only), and the share of the DDP step that no_sync saves
-    (sync_share). Each figure: {"median": ..., "range": (lowest, highest)} over the rounds."""
+    (sync_share). Each figure: ah.timing.spread over the rounds, as {"median": ..., "range": (lowest, highest)}."""
     if not result or "bench" not in result:
         raise ValueError("no results: pass the dictionary ddp_train.py wrote to ddp.json")
     batch = result["batch"] if batch is None else batch
@@ -175,7 +174,8 @@ def scaling_summary(result: dict[str, Any], batch: int | None = None) -> dict[st
     t, world = result["bench"][str(batch)], result["world"]
 
     def stat(values: list[float]) -> dict[str, Any]:
-        return {"median": statistics.median(values), "range": (min(values), max(values))}
+        med, lo, hi = ah.timing.spread(values)
+        return {"median": med, "range": (lo, hi)}
 
     out = {
         "world": world,

@@ -13,7 +13,6 @@ __all__ = ['HABITS', 'random_affine', 'affine_grid', 'warp', 'augment_batch', 'A
 import io
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -139,17 +138,20 @@ class LoaderTiming:
     @property
     def items_per_s(self) -> float:
         """Items per second of the median later epoch: the headline."""
-        return self.items / statistics.median(self.later_s)
+        return self.items / ah.timing.spread(self.later_s).median
 
     @property
     def items_per_s_range(self) -> tuple[float, float]:
         """Items per second of the slowest and the fastest later epoch: how much the rounds disagreed."""
-        return self.items / max(self.later_s), self.items / min(self.later_s)
+        s = ah.timing.spread(self.later_s)
+        return self.items / s.hi, self.items / s.lo
 
-    def speedup_over(self, other: "LoaderTiming") -> tuple[float, float, float]:
-        """Items/s of this loader over `other`, one ratio per interleaved round: (median, lowest, highest)."""
-        ratios = [(self.items / a) / (other.items / b) for a, b in zip(self.later_s, other.later_s, strict=True)]
-        return statistics.median(ratios), min(ratios), max(ratios)
+    def speedup_over(self, other: "LoaderTiming") -> ah.timing.Spread:
+        """Items/s of this loader over `other`, one ratio per interleaved round: their median and range (above 1:
+        this loader is faster; word it with `ah.timing.verdict`)."""
+        return ah.timing.spread(
+            (self.items / a) / (other.items / b) for a, b in zip(self.later_s, other.later_s, strict=True)
+        )
 
     def __str__(self) -> str:
         lo, hi = self.items_per_s_range
@@ -162,26 +164,32 @@ def compare_loaders(
     epochs: int = 3,
     batch_tfms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> dict[str, LoaderTiming]:
-    """Time several loaders one epoch each in turn, `epochs` rounds (fetch, copy to `device`, batch transform
-    there, device sync): on a shared machine a burst of load then hits every loader alike."""
+    """Time several loaders one epoch each in turn, `epochs` rounds of chapter 01's `interleaved` (fetch, copy to
+    `device`, batch transform there, device sync): on a shared machine a burst of load then hits every loader alike."""
     if epochs < 1 or not loaders:
         raise ValueError("compare_loaders needs at least one loader and epochs >= 1")
     tfms = batch_tfms or {}
     out = {name: LoaderTiming([], 0) for name in loaders}
-    for _ in range(epochs):
-        for name, loader in loaders.items():
-            t, t0 = out[name], time.perf_counter()
+
+    def epoch(name: str) -> Callable[[], None]:
+        def run() -> None:  # one epoch of loader `name`; interleaved times it, the device synced at its end
+            t, t0, first = out[name], time.perf_counter(), True
             t.items = 0
-            for xb, _yb in loader:
+            for xb, _yb in loaders[name]:
                 xb = xb.to(device, non_blocking=True)
                 t.items += len(tfms[name](xb) if name in tfms else xb)
-                if len(t.first_batch_s) == len(t.epoch_s):  # the first batch of this epoch
+                if first:  # the first batch of this epoch
                     ah.timing.sync(device)
                     t.first_batch_s.append(time.perf_counter() - t0)
-            ah.timing.sync(device)
-            t.epoch_s.append(time.perf_counter() - t0)
+                    first = False
             if t.items == 0:
                 raise ValueError(f"loader {name!r} yielded no batches: check the dataset length and drop_last")
+
+        return run
+
+    timed = ah.timing.interleaved({name: epoch(name) for name in loaders}, device, epochs, warmup=False)
+    for name, t in out.items():
+        t.epoch_s = timed[name].times
     return out
 
 # %% ../notebooks/05_input_pipeline.ipynb #ec1d7da0
@@ -287,7 +295,7 @@ class Starvation:
         """Fraction of the loop spent waiting on data (0: never starved, 1: only waiting)."""
         return self.wait_s / max(self.wait_s + self.step_s, 1e-12)
 
-    def verdict(self) -> str:
+    def reading(self) -> str:
         """One line a reader can act on."""
         if self.share > 0.5:
             return (

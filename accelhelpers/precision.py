@@ -339,7 +339,7 @@ def matmul_precision(
     n: int = 1024, device: torch.device | str = "cpu", rounds: int = 3, min_time: float = 0.05
 ) -> list[dict[str, Any]]:
     """fp32 matmul under each `torch.set_float32_matmul_precision` setting ('high' allows TF32 on Ampere+ GPUs):
-    GFLOP/s (median of interleaved rounds), speed-up over 'highest' (median, lowest, highest round) and largest
+    GFLOP/s (median of interleaved rounds), speed-up over 'highest' (chapter 01's round_ratios: a Spread) and largest
     error against float64 relative to the largest entry; the setting is restored afterwards."""
     settings = ("highest", "high", "medium")
     gen = torch.Generator(device="cpu").manual_seed(0)

@@ -92,6 +92,31 @@ def read_json(path: Path, fix: str, error: type[ValueError] = ValueError) -> Any
         raise error(f"{path} is not valid JSON ({e}): {fix}") from e
 
 
+def latest_recorded(pattern: str = "course_*", root: Path | None = None) -> Path | None:
+    """The recorded run of a kind (`course_*`, `device-check_*`) under the checkout's results/ (or `root`) that
+    finished last; None where none is recorded (a package installed without the checkout, as on Colab)."""
+    checkout = repo_root() or repo_root(Path(__file__).parent)
+    root = root or (checkout / "results" if checkout else None)
+    if root is None:
+        return None
+    runs = [p for p in root.glob(pattern) if (p / "run.json").exists()]
+    fix = "restore it from git or delete the folder"
+    return max(runs, key=lambda p: read_json(p / "run.json", fix).get("finished", "")) if runs else None
+
+
+def recorded_seconds(chapter: str, root: Path | None = None) -> tuple[float, dict[str, Any], Path] | None:
+    """(seconds, hardware report, folder) of `chapter` in the newest recorded course run (under the checkout's
+    results/, or `root`) if that run was the quick profile and the chapter ran; else None."""
+    folder = latest_recorded("course_*", root)
+    if folder is None:
+        return None
+    run = read_json(folder / "run.json", "restore it from git or delete the folder")
+    status = run.get("chapters", {}).get(chapter)
+    if run.get("profile") != "quick" or not status or not status.get("ok"):
+        return None
+    return float(status["seconds"]), run.get("hardware", {}), folder
+
+
 def load_chapter(path: Path) -> list[dict[str, Any]]:
     """The entries recorded in one chapter's results file (empty if there is none)."""
     return read_json(path, "delete it and re-run the chapter") if path.exists() else []

@@ -103,6 +103,11 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
                   f"follow the '{prof}' profile (PROFILE = 'full' or ACCEL_PROFILE=full for the original sizes).")
         else:
             print(f"\nUsing {dev} with the '{prof}' profile.")
+        timed = results.recorded_seconds(chapter) if prof == "quick" else None
+        if timed:
+            seconds, hw, folder = timed
+            print(f"This chapter's quick profile took {seconds:.0f} s in the newest recorded course run "
+                  f"({devices.machine_line(hw)}; results/{folder.name}/).")
         if prof == "smoke":
             print("The smoke profile: the full profile's code paths and dtypes with a few steps of each, to "
                   "check that it runs. Its figures measure nothing; run PROFILE = 'full' for them.")

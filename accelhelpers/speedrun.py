@@ -7,8 +7,8 @@ __all__ = ['DATASHEET_TFLOPS', 'Language', 'make_language', 'sample', 'fingerpri
            'GPTConfig', 'CausalSelfAttention', 'MLP', 'Block', 'GPT', 'flops_per_token', 'weight_macs',
            'attention_macs', 'datasheet_peaks', 'mfu', 'Recipe', 'switch_problem', 'Row', 'needs', 'Planned', 'plan',
            'Hyper', 'initial_weights', 'compile_options', 'sdpa_backend', 'Trainer', 'warm_up', 'step_memory',
-           'TargetRun', 'next_check', 'run_to_target', 'Trial', 'spread', 'says', 'helps', 'paired_runs',
-           'keep_what_helps', 'decision', 'table']
+           'TargetRun', 'next_check', 'run_to_target', 'Trial', 'helps', 'paired_runs', 'keep_what_helps', 'decision',
+           'table']
 
 # %% ../notebooks/11_speedrun.ipynb #3fde3c4a
 import hashlib
@@ -652,32 +652,10 @@ class Trial:
         return cls(**{**d, "recipe": recipe, **runs})
 
 # %% ../notebooks/11_speedrun.ipynb #9e8b7d59
-def spread(values: Sequence[float]) -> tuple[float, float, float]:
-    """(median, lowest, highest)."""
-    return statistics.median(values), min(values), max(values)
-
-
-def _fmt_range(values: Sequence[float], fmt: str) -> str:
-    med, lo, hi = spread(values)
-    return f"{fmt.format(med)} ({fmt.format(lo)}-{fmt.format(hi)})"
-
-
-def says(ratios: Sequence[float]) -> str:
-    """Per-seed ratios (above 1: faster) in words: their median and range, and faster or slower on every seed."""
-    med, lo, hi = spread(ratios)
-    word = (
-        f"faster on all {len(ratios)} seeds"
-        if lo > 1
-        else f"slower on all {len(ratios)} seeds"
-        if hi < 1
-        else "no measured difference (the seeds disagree)"
-    )
-    return f"{med:.2f}x ({lo:.2f}-{hi:.2f}), {word}"
-
-
 def helps(trial: Trial) -> bool:
-    """The rule: keep a change only if it reached the target faster on every seed."""
-    return trial.ran and min(trial.ratios()) > 1
+    """The rule: keep a change only if it reached the target faster on every seed (the whole range of its per-seed
+    ratios above 1 as printed: chapter 01's verdict "faster")."""
+    return trial.ran and round(min(trial.ratios()), 2) > 1
 
 # %% ../notebooks/11_speedrun.ipynb #4e0f435d
 def paired_runs(
@@ -743,11 +721,12 @@ def decision(trial: Trial) -> str:
     if not trial.ran:
         reached = sum(r.reached for r in trial.runs)
         return f"dropped: reached the target on {reached} of {len(trial.runs)} seeds"
-    med, lo, hi = spread(trial.ratios("step"))
-    steps = [statistics.median(r.steps for r in runs) for runs in (trial.stack_runs, trial.runs)]
+    step = ah.timing.spread(trial.ratios("step"))
+    steps = [ah.timing.spread(r.steps for r in runs).median for runs in (trial.stack_runs, trial.runs)]
     return (
-        f"{'kept' if trial.kept else 'dropped'}: time to target {says(trial.ratios())}; "
-        f"each step {med:.2f}x as fast ({lo:.2f}-{hi:.2f}), steps to target {steps[0]:.0f} -> {steps[1]:.0f}"
+        f"{'kept' if trial.kept else 'dropped'}: time to target {ah.timing.verdict(trial.ratios())} over "
+        f"{len(trial.runs)} seeds; each step {step.median:.2f}x as fast ({step.lo:.2f}-{step.hi:.2f}x), steps to "
+        f"target {steps[0]:.0f} -> {steps[1]:.0f}"
     )
 
 # %% ../notebooks/11_speedrun.ipynb #6c59546f
@@ -776,9 +755,10 @@ def table(
         if not t.runs or t.recipe is None:
             lines.append(f"{t.name:<22} {t.skipped or f'failed: {t.failed}'}")
             continue
-        tps = statistics.median(r.tokens / r.seconds for r in t.runs)
+        tps = ah.timing.spread(r.tokens / r.seconds for r in t.runs).median
         util = [_mfu_text(tps, flops_token, p, t.dtype, t.recipe.world) for p in (datasheet, peaks)]
-        ttt = _fmt_range([r.seconds for r in t.runs], "{:.2f}") if all(r.reached for r in t.runs) else "not reached"
+        ttt = ah.timing.spread(r.seconds for r in t.runs)
+        ttt = f"{ttt.median:.2f} ({ttt.lo:.2f}-{ttt.hi:.2f})" if all(r.reached for r in t.runs) else "not reached"
         lines.append(
             f"{t.name:<22} {statistics.median(r.steps for r in t.runs):>5.0f} "
             f"{statistics.median(1e3 * r.seconds / r.steps for r in t.runs):>7.1f} {tps:>9,.0f} {util[0]:>6} "

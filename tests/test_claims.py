@@ -206,3 +206,37 @@ def test_every_listed_fact_is_still_used(chapter):
     nb = next((ROOT / "notebooks").glob(f"{chapter}_*.ipynb"))
     stated = {c for cell in json.loads(nb.read_text())["cells"] for c in claims(cell_text(cell))}
     assert not set(facts(chapter)) - stated, f"{chapter}.txt lists claims chapter {chapter} no longer makes"
+
+
+# --- time claims (#40 item 5): "about a minute" only where the recorded course run says so -----------------------
+A_MINUTE = re.compile(r"\b(?:about|under|within|in|around) (?:a|one) minute\b(?! or two)|\ba minute or (?:so|less)\b",
+                      re.I)
+MINUTE_S = 60
+
+
+def minute_claims(nb: Path) -> list[str]:
+    """The sentences of a chapter's markdown that promise it runs in about a minute."""
+    text = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "markdown")
+    return [m.group(0) for m in A_MINUTE.finditer(text)]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_a_chapter_promises_a_minute_only_if_its_recorded_run_took_one(nb):
+    """Each chapter's setup cell prints its time in the newest recorded course run; its prose may not promise less."""
+    import accelhelpers as ah
+
+    timed = ah.results.recorded_seconds(nb.name[:2])
+    if timed is None:
+        pytest.skip("no recorded quick-profile course run of this chapter in results/")
+    seconds, _, folder = timed
+    if seconds > MINUTE_S:
+        assert minute_claims(nb) == [], (f"{nb.name} took {seconds:.0f} s in results/{folder.name}: say 'a few "
+                                         "minutes' (the setup cell prints the measured time)")
+
+
+def test_the_minute_check_reads_the_ways_of_promising_one_negative_control(tmp_path):
+    nb = tmp_path / "99_x.ipynb"
+    cells = [{"cell_type": "markdown", "source": ["Runs in about a minute. Under a minute here, in a few minutes "
+                                                  "there, in a minute or two elsewhere; 60 minutes of a run."]}]
+    nb.write_text(json.dumps({"cells": cells}))
+    assert minute_claims(nb) == ["about a minute", "Under a minute"]

@@ -223,14 +223,3 @@ def test_ablation_rows_are_medians_with_enough_steps_and_ratios_per_round(data):
     assert rows["fast"]["fraction_of_peak"] == pytest.approx(rows["fast"]["gflops"] / 100)
     table = ah.fullbatch.table(res)
     assert "medians of 3 interleaved rounds" in table and f"{res['threads']} thread(s)" in table
-
-
-def test_rounds_interleave_the_rows(clock):
-    """Mutations this catches: one row's rounds before the next row's (the order), a row's time taken from another
-    row's clock reads, a missing sync."""
-    clock.install(ah.fullbatch)
-    tick = 2.0**-9
-    times = ah.fullbatch.rounds_of({"a": clock.work(tick, "a"), "b": clock.work(3 * tick, "b")}, "cpu", 3)
-    assert "".join(e for e in clock.events if e in ("a", "b")) == "ab" * 3
-    assert times == {"a": [tick] * 3, "b": [3 * tick] * 3}
-    assert "call\nclock" not in "\n".join(e if e in ("clock", "sync") else "call" for e in clock.events)

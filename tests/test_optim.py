@@ -257,13 +257,6 @@ def test_one_cycle_on_step_drives_train_fit(digits):
         ah.optim.one_cycle_on_step(opt, 10, 1e-2, pct_start=0)
 
 
-def test_median_range_matches_numpy():
-    x = [3.0, 1.0, 2.0, 10.0]
-    assert ah.optim.median_range(x) == (float(np.median(x)), 1.0, 10.0)
-    assert ah.optim.median_range([0.5]) == (0.5, 0.5, 0.5)
-    assert all(math.isnan(v) for v in ah.optim.median_range([]))
-
-
 def test_to_target_stats():
     h1 = ah.train.FitHistory([0.5, 0.8, 0.9], seconds=[1.0, 2.0, 3.0])
     h2 = ah.train.FitHistory([0.85, 0.9, 0.95], seconds=[1.5, 3.0, 4.5])
@@ -271,11 +264,12 @@ def test_to_target_stats():
     assert h1.to_target(0.8) == (2, 2.0) and h3.to_target(0.8) == (None, None)
     s = ah.optim.to_target_stats([h1, h2, h3], 0.8)
     assert s["reached"] == 2 and s["runs"] == 3
-    assert s["epochs"] == (1.5, 1.0, 2.0)                              # median, lowest, highest over h1 and h2
-    assert s["seconds"] == (1.75, 1.5, 2.0)
+    assert s["epochs"] == ah.timing.Spread(1.5, 1.0, 2.0)              # median, lowest, highest over h1 and h2
+    assert s["seconds"] == (1.75, 1.5, 2.0) and s["seconds"].median == 1.75
     assert s["final_acc"] == (0.9, 0.3, 0.95)                           # every run counts for the final accuracy
     none = ah.optim.to_target_stats([h3], 0.8)
-    assert none["reached"] == 0 and math.isnan(none["epochs"][0]) and none["final_acc"] == (0.3, 0.3, 0.3)
+    assert none["reached"] == 0 and none["epochs"] is None and none["seconds"] is None
+    assert none["final_acc"] == (0.3, 0.3, 0.3)
 
 
 def test_holdout_carves_validation_from_training_rows(digits):

@@ -251,7 +251,7 @@ def test_equivalence_script_at_world_1_matches_reference(group1, scripts, monkey
     finally:
         sys.modules.pop("ddp_common", None)
     if not torch.cuda.is_available():
-        assert "[rank0] 1 ranks, backend gloo, on the CPU\n" in capsys.readouterr().out
+        assert "[rank0] 1 rank, backend gloo, on the CPU\n" in capsys.readouterr().out
     ref = parallel.reference(4, 6, world=1)
     assert metrics.max_abs_diff(parallel.load_weights(tmp_path / "ddp.pt"), ref) < 1e-6
     assert metrics.max_abs_diff(parallel.load_weights(tmp_path / "manual.pt"), ref) < 1e-6
@@ -267,14 +267,14 @@ def test_mnist1d_loader_splits_the_data_between_ranks(group1, worker):
     assert len(first) == len(data.x_train) and list(loader.sampler) != first
 
 
-def test_interleaved_timing_runs_alone_functions_on_rank_0_with_their_threads(group1, worker):
+def test_time_on_ranks_runs_alone_functions_on_rank_0_with_their_threads(group1, worker):
     ah.parallel.init_distributed("gloo", 30)
     common = worker("ddp_common")
     seen = []
-    times = common.interleaved({"a": lambda: seen.append(("a", torch.get_num_threads())),
-                                "b": lambda: seen.append(("b", torch.get_num_threads()))}, rounds=2, steps=3,
-                               device="cpu", alone=("b",), threads={"b": 2})
-    assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2}  # the warm-up round dropped
+    times = common.time_on_ranks({"a": lambda: seen.append(("a", torch.get_num_threads())),
+                                  "b": lambda: seen.append(("b", torch.get_num_threads()))}, rounds=2, steps=3,
+                                 device="cpu", alone=("b",), threads={"b": 2})
+    assert {k: len(v) for k, v in times.items()} == {"a": 2, "b": 2}  # the warm-up round and the barriers dropped
     assert seen.count(("a", torch.get_num_threads())) == 9 and seen.count(("b", 2)) == 9  # 3 rounds x 3 calls
     assert common.slowest(times) == times  # one rank: its own times
 

@@ -86,7 +86,10 @@ def test_loader_timing_reports_medians_ranges_and_round_ratios():
     assert t.items_per_s == pytest.approx(250) and t.items_per_s_range == (pytest.approx(200), pytest.approx(400))
     assert str(t) == "250 (200-400)"
     other = ah.pipeline.LoaderTiming([9.0, 1.0, 1.0, 0.2], 100)
-    assert t.speedup_over(other) == (pytest.approx(2.0), pytest.approx(0.5), pytest.approx(4.0))   # 2, 4, 0.5
+    speed = t.speedup_over(other)                                        # per round: 2, 4, 0.5
+    assert isinstance(speed, ah.timing.Spread)
+    assert (speed.median, speed.lo, speed.hi) == (pytest.approx(2.0), pytest.approx(0.5), pytest.approx(4.0))
+    assert ah.timing.verdict(speed) == "2.00x, no measured difference (0.50-4.00x)"
     assert ah.pipeline.LoaderTiming([0.5], 10).items_per_s == 20           # one epoch: it is the steady state
 
 
@@ -260,15 +263,15 @@ def test_data_wait_share_books_fetch_and_transform_as_wait_and_the_step_as_work(
     partly = ah.pipeline.data_wait_share(_ClockedLoader(clock, "data", batches=4, fetch=1), step,
                                          batch_tfm=_clocked_tfm(clock, 1))
     assert (partly.wait_s, partly.step_s, partly.steps, partly.share) == (4 * 2 * TICK, 4 * 6 * TICK, 4, 0.25)
-    assert partly.verdict() == "partly starved: 25% of each step waits on data."
+    assert partly.reading() == "partly starved: 25% of each step waits on data."
     assert steps == [2] * 4 and clock.unsynced_reads() == 0
     starved = ah.pipeline.data_wait_share(_ClockedLoader(clock, "data", batches=5, fetch=3),
                                           lambda xb, yb: clock.work(TICK, "step")(), max_steps=3)
     assert (starved.wait_s, starved.step_s, starved.steps, starved.share) == (9 * TICK, 3 * TICK, 3, 0.75)
-    assert starved.verdict().startswith("starved: 75% of each step waits on data.")
+    assert starved.reading().startswith("starved: 75% of each step waits on data.")
     fed = ah.pipeline.data_wait_share(_ClockedLoader(clock, "data", batches=2, fetch=1),
                                       lambda xb, yb: clock.work(15 * TICK, "step")())
-    assert fed.share == 1 / 16 and fed.verdict().startswith("fed: only 6% of each step waits on data")
+    assert fed.share == 1 / 16 and fed.reading().startswith("fed: only 6% of each step waits on data")
     assert clock.unsynced_reads() == 0
     with pytest.raises(ValueError, match="no batches"):
         ah.pipeline.data_wait_share([], lambda xb, yb: None)

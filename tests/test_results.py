@@ -91,3 +91,24 @@ def test_record_keeps_the_range():
     assert entry["spread"] == [0.9, 1.5] and entry["repeats"] == 5
     with pytest.raises(ValueError, match="spread must be"):
         ah.results.record("bad", 1.0, "x", spread=(2.0, 1.0))
+
+
+def test_a_chapter_s_recorded_time_comes_from_the_newest_quick_course_run(tmp_path):
+    """What every chapter's setup cell prints under its hardware report: its time in the newest recorded course run
+    (by when it finished, not by folder name), nothing when that run was another profile or the chapter failed."""
+    def recorded(name, finished, profile="quick", **chapters):
+        (tmp_path / name).mkdir()
+        run = {"profile": profile, "finished": finished, "hardware": {"cpu": "X"},
+               "chapters": {k: {"ok": s is not None, "seconds": s or 0} for k, s in chapters.items()}}
+        (tmp_path / name / "run.json").write_text(json.dumps(run))
+
+    recorded("course_b_2026-12-01", "2026-12-01 10:00:00", **{"01": 40.0, "02": 120.0})
+    recorded("course_a_2026-12-02", "2026-12-02 10:00:00", **{"01": 41.5, "02": None})
+    recorded("device-check_a_2026-12-03", "2026-12-03 10:00:00", **{"01": 9.0})
+    seconds, hw, folder = ah.results.recorded_seconds("01", tmp_path)
+    assert (seconds, hw, folder.name) == (41.5, {"cpu": "X"}, "course_a_2026-12-02")
+    assert ah.results.recorded_seconds("02", tmp_path) is None  # failed in the newest run
+    assert ah.results.recorded_seconds("03", tmp_path) is None
+    recorded("course_c_2026-12-04", "2026-12-04 10:00:00", profile="full", **{"01": 400.0})
+    assert ah.results.recorded_seconds("01", tmp_path) is None  # the newest run was not the quick profile
+    assert ah.results.recorded_seconds("01", tmp_path / "none") is None

@@ -166,8 +166,8 @@ def test_a_change_is_kept_only_where_it_is_faster_on_every_seed_and_the_next_bui
     assert trials[2].skipped == "skipped: needs CUDA (a GPU's SDPA backend)" and trials[2].recipe is None
     assert trials[3].recipe == sr.Recipe(attention="sdpa", optimizer="fused")
     assert trials[0].ratios() == pytest.approx([1.25] * 5) and [r.seed for r in trials[1].runs] == [0, 1, 2, 3, 4]
-    assert sr.decision(trials[0]).startswith("kept: time to target 1.25x (1.25-1.25), faster on all 5 seeds")
-    assert "dropped: time to target 1.11x (0.95-1.11), no measured difference" in sr.decision(trials[1])
+    assert sr.decision(trials[0]).startswith("kept: time to target 1.25x faster (1.25-1.25x) over 5 seeds")
+    assert "dropped: time to target 1.11x, no measured difference (0.95-1.11x)" in sr.decision(trials[1])
     assert sr.decision(trials[1]).endswith("steps to target 100 -> 100")
 
 

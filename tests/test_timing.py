@@ -41,6 +41,43 @@ def test_interleaved_alternates_the_functions_round_by_round(clock):
     assert clock.unsynced_reads() == 0
 
 
+def test_interleaved_without_warmup_times_each_call_once_a_round(clock):
+    """warmup=False (chapter 02's rows, which size their own rounds): no warm-up or calibration call, each function
+    once a round in turn, synced before each clock read. Mutations this catches: a calibration call left in, one
+    function's rounds before the other's, a row's time taken from another row's clock reads, a missing sync."""
+    got = timing.interleaved({"a": clock.work(TICK, "a"), "b": clock.work(3 * TICK, "b")}, rounds=3, warmup=False)
+    assert "".join(e for e in clock.events if e in "ab") == "ab" * 3
+    assert got["a"].times == [TICK] * 3 and got["b"].times == [3 * TICK] * 3 and got["a"].calls_per_repeat == 1
+    assert clock.unsynced_reads() == 0
+
+
+def test_a_spread_is_the_median_and_the_range():
+    assert ah.timing.spread([3.0, 1.0, 2.0, 10.0]) == (2.5, 1.0, 10.0)
+    s = ah.timing.spread(x for x in (2.0, 4.0, 3.0))  # any iterable, read once
+    assert (s.median, s.lo, s.hi) == (3.0, 2.0, 4.0)
+    with pytest.raises(ValueError, match="at least one value"):
+        ah.timing.spread([])
+
+
+@pytest.mark.parametrize(
+    ("ratios", "words", "expected"),
+    [
+        ([1.31, 1.2, 1.45], (), "1.31x faster (1.20-1.45x)"),
+        ([0.8, 0.74, 0.9], (), "0.80x, slower (0.74-0.90x)"),
+        ([0.97, 1.12, 1.04], (), "1.04x, no measured difference (0.97-1.12x)"),
+        ([1.0, 1.5, 1.6], (), "1.50x, no measured difference (1.00-1.60x)"),  # a round that tied: not faster
+        ([1.004, 1.1, 1.2], (), "1.10x, no measured difference (1.00-1.20x)"),  # read as printed
+        ([0.996, 0.9, 0.8], (), "0.90x, no measured difference (0.80-1.00x)"),
+        ([2.0, 3.0, 4.0], ("cheaper", "dearer"), "3.00x cheaper (2.00-4.00x)"),
+    ],
+)
+def test_the_verdict_is_read_from_the_range_not_the_median(ratios, words, expected):
+    """Mutations this catches: a verdict from the median (the 0.97-1.12 row would read faster), `>=` instead of `>`
+    at the range's ends, a low end of 1.004 (printed 1.00) read as above 1, the words swapped."""
+    assert ah.timing.verdict(ratios, *words) == expected
+    assert ah.timing.verdict(ah.timing.spread(ratios), *words) == expected
+
+
 def test_a_timing_reports_the_median_and_the_range():
     t = ah.timing.Timing([0.002, 0.001, 0.003, 0.0025], calls_per_repeat=8)
     assert (t.median, t.best, t.worst) == (pytest.approx(0.00225), 0.001, 0.003)

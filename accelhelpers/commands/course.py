@@ -12,7 +12,7 @@ from typing import Any
 from unittest import mock
 
 from ..device import PROFILES, format_report, hardware_report, machine_line
-from ..results import atomic_write_text, load_results, read_json, repo_root
+from ..results import atomic_write_text, latest_recorded, load_results, read_json, repo_root
 from ..timing import hours
 from . import CommandError
 
@@ -237,7 +237,7 @@ def _results(folder: Path) -> dict[str, list[dict[str, Any]]]:
 HEADLINES: dict[str, list[tuple[str, str]]] = {
     "01": [("fp32_matmul_peak", "fp32 matmul peak"), ("copy_bandwidth", "memory bandwidth, large copy")],
     "02": [("best_speedup_vs_naive", "fastest loop vs the naive loop (model-steps/s)"),
-           ("best_fraction_of_peak", "fastest loop, share of the fp32 matmul peak")],
+           ("best_fraction_of_peak", "fastest loop, share of the matmul peak of its precision (fp32 or bf16)")],
     "03": [("epochs_to_target_adam_one_cycle_ours", "epochs to the target test accuracy, Adam + one-cycle"),
            ("epochs_to_target_adam_ours", "epochs to the target test accuracy, Adam")],
     "04": [("step_speedup_mixed", "mixed-precision training step vs fp32"),
@@ -464,9 +464,8 @@ MAP_END = "<!-- chapters:end -->"
 
 
 def _latest_run(root: Path, pattern: str) -> Path | None:
-    """The recorded run of a kind (`course_*`, `device-check_*`) under results/ that finished last; None if none."""
-    runs = sorted((p for p in root.glob(pattern) if (p / "run.json").exists()), key=lambda p: _load_run(p)["finished"])
-    return runs[-1] if runs else None
+    """The recorded run of a kind (`course_*`, `device-check_*`) under `root` that finished last; None if none."""
+    return latest_recorded(pattern, root)
 
 
 def chapter_map(root: Path | None = None) -> str:
