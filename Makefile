@@ -76,7 +76,7 @@ test-colab: venv
 	$(BIN)/python tests/colab/check.py tpu --only $(TPU_IMAGE_CHAPTERS)
 
 # Every chapter's full-smoke run with this checkout's packages: the full profile's code paths, a few steps of each
-# (README: make smoke). test-colab runs the same under Colab's GPU package set.
+# (CONTRIBUTING.md: make smoke). test-colab runs the same under Colab's GPU package set.
 smoke: venv slurm
 	TQDM_DISABLE=1 $(BIN)/python -m accelhelpers course run --profile smoke --out build/smoke --no-report
 
@@ -116,7 +116,7 @@ slurm:
 export: venv
 	$(BIN)/python tools/nbexport.py $(NB)
 
-# The Colab badges and setup cells, written from pyproject.toml's [project.urls] Repository and the version (README:
+# The Colab badges and setup cells, written from pyproject.toml's [project.urls] Repository and the version (CONTRIBUTING.md:
 # Publishing); tests/test_colab.py fails when they disagree.
 links: venv
 	$(BIN)/python -m accelhelpers course links
