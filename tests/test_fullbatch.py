@@ -216,7 +216,9 @@ def test_ablation_rows_are_medians_with_enough_steps_and_ratios_per_round(data):
     # checked run 10 steps/s or more, so a calibration slowed 3x by load elsewhere still counts at least 3; fastai's
     # row runs near 3 steps/s here, where a slow calibration rightly picks 2 (a threshold of 3.5 failed in CI).
     assert all(v["steps_per_round"] >= 3 for v in rows.values() if v["steps_per_s"] > 10)
-    assert sum(v["steps_per_s"] > 10 for v in rows.values()) >= 4  # the check covers rows (7 of 8 on a quiet machine)
+    # and most rows do get 3 or more: their steps take well under 1/3 s even on a loaded host (CI, 2026-12-03: under
+    # the other worker's jobs every row ran below 10 steps/s, so the check above covered none)
+    assert sum(v["steps_per_round"] >= 3 for v in rows.values()) >= 4
     assert rows["naive"]["speedup_vs_naive"] == 1.0 and rows["naive"]["speedup_range"] == (1.0, 1.0)
     assert rows["many"]["model_steps_per_s"] == pytest.approx(2 * rows["many"]["steps_per_s"])
     assert res["peak_gflops"] == 100.0
