@@ -655,7 +655,7 @@ class Trial:
 def helps(trial: Trial) -> bool:
     """The rule: keep a change only if it reached the target faster on every seed (the whole range of its per-seed
     ratios above 1 as printed: chapter 01's verdict "faster")."""
-    return trial.ran and round(min(trial.ratios()), 2) > 1
+    return trial.ran and ah.timing.spread(trial.ratios()).side() > 0
 
 # %% ../notebooks/11_speedrun.ipynb #4e0f435d
 def paired_runs(

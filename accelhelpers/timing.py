@@ -215,6 +215,10 @@ class Spread(NamedTuple):
     lo: float
     hi: float
 
+    def side(self) -> int:
+        """1 where the whole range, as printed (two decimals), is above 1; -1 where it is below; 0 where it holds 1."""
+        return 1 if round(self.lo, 2) > 1 else -1 if round(self.hi, 2) < 1 else 0
+
 
 def spread(values: Iterable[float]) -> Spread:
     """The median and the range (lowest, highest) of `values`."""
@@ -240,9 +244,9 @@ def verdict(ratios: Sequence[float] | Spread, better: str = "faster", worse: str
     decimals), is on one side of 1: a low end that prints as 1.00 is no measured difference."""
     s = ratios if isinstance(ratios, Spread) else spread(ratios)
     span = f"({s.lo:.2f}-{s.hi:.2f}x)"
-    if round(s.lo, 2) > 1:
+    if s.side() > 0:
         return f"{s.median:.2f}x {better} {span}"
-    if round(s.hi, 2) < 1:
+    if s.side() < 0:
         return f"{s.median:.2f}x, {worse} {span}"
     return f"{s.median:.2f}x, no measured difference {span}"
 
