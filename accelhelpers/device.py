@@ -235,10 +235,8 @@ def hardware_report() -> dict[str, Any]:
         "cpu": model, "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "cpu_isa": flags, "cpu_bf16_native": any(f in flags for f in BF16_FLAGS),
         "torch_xla": xla_version(), "colab": in_colab(), "kaggle": "KAGGLE_KERNEL_RUN_TYPE" in os.environ,
-        "devices": available_devices(),
+        "devices": available_devices(), "tpu_chips": tpu_chips(),
     }
-    if xla_installed():
-        report["tpu_chips"] = tpu_chips()
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         report.update(gpu=p.name, gpu_memory_gb=round(p.total_memory / 2**30, 1),

@@ -81,12 +81,20 @@ def test_xla_version_is_none_without_package_metadata(monkeypatch):
 
 def test_hardware_report_has_the_facts():
     r = ah.device.hardware_report()
-    for key in ("torch", "cpu", "cpu_cores", "cpu_isa", "devices", "best_device", "torch_xla", "colab"):
+    for key in ("torch", "cpu", "cpu_cores", "cpu_isa", "devices", "best_device", "torch_xla", "colab", "tpu_chips"):
         assert key in r
     assert r["torch"] == torch.__version__
     assert isinstance(r["cpu_isa"], list)
     text = ah.device.format_report(r)
     assert "torch" in text and "best_device" in text
+
+
+def test_the_report_counts_tpu_chips_without_torch_xla(monkeypatch):
+    """Colab's GPU image has no torch_xla; the report left tpu_chips out there and chapter 01's monitor cell, which
+    reads it, failed with KeyError: 'tpu_chips' (the colab-gpu stage of CI)."""
+    monkeypatch.setattr(ah.device, "xla_installed", lambda: False)
+    monkeypatch.setattr(ah.device, "tpu_chips", lambda: 0)
+    assert ah.device.hardware_report()["tpu_chips"] == 0
 
 
 def test_machine_line_names_the_recorded_hardware_in_one_line():
