@@ -37,6 +37,9 @@ which and why: the list is short, and the test fails on any use not named here.
     deploy     08       session, train, tools
     toolflows  10       launch, longrun, deploy, tools
     speedrun   11       device, internals, metrics, timing, precision, pipeline
+    exercises  floor    device, results, data, metrics, models, session, tools, timing*, precision*, fullbatch*,
+                        optim*, pipeline*, xla*, deploy*, longrun*, toolflows*, speedrun*  (the exercises' checks
+                        recompute each chapter's reference with the package's copy of that chapter's code)
 """
 
 import importlib

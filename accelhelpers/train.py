@@ -41,16 +41,20 @@ class FitHistory:
 
 def fit(model: nn.Module, split: _Split | tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, epochs: int,
         bs: int = 64, *, seed: int = 0, policy: Any = None, on_step: Callable[[int], None] | None = None,
-        scheduler: Any = None, drop_last: bool = False, progress: str | bool = False) -> FitHistory:
+        scheduler: Any = None, drop_last: bool = False, progress: str | bool = False,
+        step: Callable[..., Any] | None = None) -> FitHistory:
     """Minibatch training with cross-entropy: each epoch a fresh permutation from a CPU generator seeded by `seed`,
     batches of `bs` (the last one short unless `drop_last`). `policy` (precision.Policy) adds autocast and, for
     fp16, a GradScaler; `on_step(it)` runs before step `it` (e.g. to set one-cycle hyper-parameters);
-    `scheduler.step()` after each optimizer step. With a Split, the test accuracy and loss after every epoch."""
+    `scheduler.step()` after each optimizer step; `step(model, opt, x, y, policy, scaler)` is the training step
+    (default: the package's copy of chapter 04's `minibatch_step`; a chapter passes its own cell's, so an edit of that
+    cell reaches the run). With a Split, the test accuracy and loss after every epoch."""
     x, y = (split.x_train, split.y_train) if isinstance(split, _Split) else split
     if epochs < 1 or bs < 1 or len(x) != len(y):
         raise ValueError(f"fit needs epochs >= 1, bs >= 1 and one label per row, got {epochs=}, {bs=}, "
                          f"{len(x)} rows and {len(y)} labels")
     scaler = policy.grad_scaler() if policy is not None else None
+    step = precision.minibatch_step if step is None else step
     gen = torch.Generator(device="cpu").manual_seed(seed)
     hist, elapsed, it = FitHistory(), 0.0, 0
     model.train()
@@ -62,7 +66,7 @@ def fit(model: nn.Module, split: _Split | tuple[torch.Tensor, torch.Tensor], opt
                 break
             if on_step is not None:
                 on_step(it)
-            precision.minibatch_step(model, opt, x[idx], y[idx], policy, scaler)
+            step(model, opt, x[idx], y[idx], policy, scaler)
             if scheduler is not None:
                 scheduler.step()
             it += 1

@@ -237,9 +237,15 @@ def test_the_package_docstring_draws_the_real_import_order():
     import accelhelpers
 
     rows = {}
+    lines: list[str] = []
     for line in accelhelpers.__doc__.split("    module     chapter  imports\n", 1)[1].splitlines():
         if not line.startswith("    ") or not line.strip():
             break
+        if line.startswith(" " * 24) and lines:  # a row's imports continued on the next line
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    for line in lines:
         name, chapter, *rest = line.split(maxsplit=2)
         imports = rest[0].split("  (")[0] if rest else ""
         rows[name] = (chapter, [i.strip() for i in imports.split(",") if i.strip()])

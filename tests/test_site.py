@@ -229,7 +229,8 @@ def test_the_site_has_every_page(site):
     pages = set(_pages(site))
     latest = website.latest_course_run(ROOT / "results")
     expected = {"index.html", "search.html", "docs/guides.html", "docs/site.html", "results/index.html",
-                *(f"notebooks/{nb.stem}.html" for nb in CHAPTERS)}
+                *(f"notebooks/{nb.stem}.html" for nb in CHAPTERS), "solutions/index.html",
+                *(f"solutions/{nb.stem}.html" for nb in CHAPTERS)}
     if latest is not None:
         expected.add(f"results/{latest.name}/report.html")
     assert expected <= pages, f"pages missing from the site: {sorted(expected - pages)}"

@@ -59,3 +59,21 @@ def test_fit_refuses_bad_arguments(data):
         ah.train.fit(model, data, opt, epochs=1, bs=0)
     with pytest.raises(ValueError, match="one label per row"):
         ah.train.fit(model, (data.x_train, data.y_train[:5]), opt, epochs=1)
+
+
+def test_fit_runs_the_step_it_is_given(data):
+    """Chapter 04 passes its own minibatch_step cell to fit, so an edit of that cell reaches the accuracy runs
+    (review 04-T1: fit always ran the package's copy)."""
+    calls = []
+
+    def step(model, opt, x, y, policy, scaler):
+        calls.append(len(x))
+        return ah.precision.minibatch_step(model, opt, x, y, policy, scaler)
+
+    a = ah.models.mlp([40, 16, 10])
+    b = ah.fullbatch.clone(a)
+    ah.train.fit(a, data, torch.optim.SGD(a.parameters(), lr=0.05), epochs=1, bs=1000, seed=1, step=step)
+    ah.train.fit(b, data, torch.optim.SGD(b.parameters(), lr=0.05), epochs=1, bs=1000, seed=1)
+    n = len(data.x_train)
+    assert calls == [1000] * (n // 1000) + ([n % 1000] if n % 1000 else [])
+    assert ah.metrics.max_abs_diff(a, b) == 0.0

@@ -1,11 +1,11 @@
 """The course as a website (`make site`, docs/site.md): `python tools/website.py [OUT]` (default build/site).
 
 Stages the pages into OUT-src/ (the site's source tree, laid out as the repository is, so that relative links keep
-working): docs/index.md as the home page, the guides and docs/site.md under docs/, every chapter with its committed
-outputs under notebooks/, and under results/ a page listing the recorded runs with the report of each recorded
-course run and device check. Then Sphinx with MyST-NB (docs/conf.py) renders them into OUT/, never executing a
-cell, and MathJax is copied in so formulas render offline. Run it with .venv-site's Python (`make site` installs it
-from requirements-site.txt).
+working): docs/index.md as the home page, the guides and docs/site.md under docs/, the exercises' worked solutions
+under solutions/, every chapter with its committed outputs under notebooks/, and under results/ a page listing the
+recorded runs with the report of each recorded course run and device check. Then Sphinx with MyST-NB (docs/conf.py)
+renders them into OUT/, never executing a cell, and MathJax is copied in so formulas render offline. Run it with
+.venv-site's Python (`make site` installs it from requirements-site.txt).
 
 Staging changes the copies, never the committed files: each chapter's Colab badge image (Colab's own SVG, fetched
 from colab.research.google.com) becomes docs/colab-badge.svg, so a page loads nothing from another site, and each
@@ -133,6 +133,7 @@ def stage(src: Path, root: Path = ROOT) -> None:
     shutil.copy(root / "docs" / "index.md", src / "index.md")
     for page in ("guides.md", "site.md"):
         shutil.copy(root / "docs" / page, src / "docs" / page)
+    shutil.copytree(root / "solutions", src / "solutions")
     (src / "notebooks").mkdir()
     shutil.copy(root / "docs" / BADGE_SVG, src / "notebooks" / BADGE_SVG)
     for nb in chapters(root):
