@@ -80,9 +80,9 @@ class Setup:
 
 def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool = True,
           profile: str | None = None, supports: tuple[str, ...] = ("cuda", "mps", "cpu")) -> Setup:
-    """Start a chapter: seed, pick the device, print the hardware report. `profile`: the notebook's PROFILE
-    (None: `device.choose_profile`); `supports`: the device kinds the chapter is written for, where the best device
-    is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
+    """Start a chapter: seed, pick the device, print the hardware report (chapter 01) or its one-line summary.
+    `profile`: the notebook's PROFILE (None: `device.choose_profile`); `supports`: the device kinds the chapter is
+    written for, where the best device is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
     results.set_chapter(chapter)
     seed_everything(seed)
     note, best = None, devices.available_devices()[0]
@@ -94,8 +94,12 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
         dev = devices.best_device(device)
     prof = devices.choose_profile(profile, dev.type)
     report = {**devices.hardware_report(), "profile": prof}
-    if verbose:
-        print(devices.format_report(report))
+    if verbose:  # the whole report where the course teaches reading it (chapter 01), one line in every other chapter
+        if chapter == "01":
+            print(devices.format_report(report))
+        else:
+            print(f"This machine: {devices.machine_line(report)} (the whole hardware report: chapter 01, or "
+                  "print(ah.device.format_report(S.report)))")
         if note:
             print("\n" + note)
         if dev.type == "cpu":

@@ -13,9 +13,21 @@ def test_setup_seeds_and_announces(capsys):
     ah.session.setup("95", seed=3, verbose=False)
     assert torch.equal(a, torch.rand(2))
     out = capsys.readouterr().out
-    assert "best_device" in out and s.chapter == "95" and ah.results.current_chapter() == "95"
+    assert "This machine: " in out and "best device: " in out and "cpu_isa" not in out
+    assert s.chapter == "95" and ah.results.current_chapter() == "95"
     if s.device.type == "cpu":
         assert "no GPU or TPU found" in out and s.quick
+
+
+def test_only_chapter_01_prints_the_whole_hardware_report(capsys):
+    """Review XC-5: the 17-line report in every chapter's first cell; chapter 01 teaches reading it, the others
+    print one line naming the machine."""
+    ah.session.setup("01")
+    full = capsys.readouterr().out
+    assert "cpu_isa" in full and "best_device" in full and "This machine: " not in full
+    ah.session.setup("02")
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("This machine: ") and ah.device.machine_line(ah.device.hardware_report()) in line
 
 
 def test_threads_sets_and_restores_even_on_error():
