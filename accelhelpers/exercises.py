@@ -835,7 +835,7 @@ def _ch05_7_memory_line(fixed_bytes, bytes_per_sample, size=32):
 # ---- chapter 06's exercises (notebooks/06_*.ipynb)
 def _ch06_grad_numel(width: int) -> int:
     """Gradient entries of ddp_train.py's MLP, ah.models.mlp([40, width, width, 10])."""
-    return sum(p.numel() for p in ah.models.mlp([40, width, width, 10]).parameters())
+    return ah.models.count_params(ah.models.mlp([40, width, width, 10]))
 
 
 @exercise(
