@@ -5,9 +5,10 @@ the one-graph and many-model steps, and the ablation's interleaved benchmark."""
 
 # %% auto #0
 __all__ = ['ORIGINAL_MODEL_EPOCHS', 'DEPTH', 'History', 'check_run', 'udlbook_loop', 'naive_fullbatch', 'compile_options',
-           'FullBatchLoop', 'mlp_linears', 'pad_mlp', 'clone', 'mlp_forward_t', 'loss_t', 'fullgraph_train_step',
-           'fullgraph_test_err', 'fullgraph_step', 'FullGraphLoop', 'ManyMLP', 'ManyModelsLoop', 'fastai_learner',
-           'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner', 'variants', 'prepare', 'gc_counted', 'row_result',
+           'compile_step', 'EpochLoop', 'FullBatchLoop', 'mlp_linears', 'pad_mlp', 'clone', 'mlp_forward_t', 'loss_t',
+           'fullgraph_train_step', 'fullgraph_test_err', 'fullgraph_step', 'FullGraphLoop', 'run_testing_every',
+           'ManyMLP', 'ManyModelsLoop', 'fastai_learner', 'Variant', 'bf16_ok', 'autocast_bf16', 'fastai_runner',
+           'eager_variants', 'compiled_variants', 'variants', 'prepare', 'gc_counted', 'row_result', 'measure_rows',
            'run_fullbatch', 'table', 'GraphReport', 'graph_breaks']
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #4b5b57b4
@@ -104,8 +105,37 @@ def compile_options(device: torch.device) -> dict[str, Any]:
         return {"mode": "reduce-overhead"}
     return {"options": {"cpp.threads": torch.get_num_threads()}} if device.type == "cpu" else {}
 
+
+def compile_step(fn: Callable[..., Any], device: torch.device, **kwargs: Any) -> Callable[..., Any]:
+    """`fn` compiled by torch.compile with `compile_options(device)` and `kwargs`, dynamo's log lines quieted."""
+    ah.internals.quiet_dynamo_logs()
+    return torch.compile(fn, **compile_options(device), **kwargs)
+
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #3c0dd192
-class FullBatchLoop:
+class EpochLoop:
+    """The epoch loop every loop class of this chapter shares: `step(x, y)` once per epoch on the whole training
+    set, returning (loss, train error %, test error %) as device tensors. A subclass sets `data`, `step`, `loader`
+    (a DataLoader to draw the batch from, or None for the device tensors) and `host_sync` (read the metrics into
+    Python floats every epoch, or keep them on the device and read them once after the run)."""
+
+    data: ah.data.Split
+    loader: DataLoader | None
+    host_sync: bool
+    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    def run(self, epochs: int, progress: str | bool = False) -> History:
+        """Train for `epochs` full-batch steps and return the per-epoch errors (`progress`: a bar, or its label)."""
+        check_run(self.data, epochs, 1.0)
+        rows = []  # per epoch (loss, train error, test error): floats with host_sync, else device tensors
+        for _ in ah.session.progress(range(epochs), progress, unit="epoch"):
+            x, y = next(iter(self.loader)) if self.loader is not None else (self.data.x_train, self.data.y_train)
+            loss, tr, te = self.step(x, y)
+            rows.append([loss.item(), tr.item(), te.item()] if self.host_sync else torch.stack([loss, tr, te]))
+        host = np.array(rows).T if self.host_sync else torch.stack(rows, -1).cpu().numpy()  # one read of the run
+        return History(host[1], host[2], host[0])
+
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #7c08fd7f
+class FullBatchLoop(EpochLoop):
     """Full-batch SGD with each speed-up of the ablation as a switch.
 
     dataloader: go through a DataLoader over a TensorDataset (True) or use the device tensors directly.
@@ -131,10 +161,7 @@ class FullBatchLoop:
         self.loader = (
             DataLoader(TensorDataset(data.x_train, data.y_train), batch_size=len(data.x_train)) if dataloader else None
         )
-        self.step = self._step
-        if compile:
-            ah.internals.quiet_dynamo_logs()
-            self.step = torch.compile(self._step, **compile_options(data.device))
+        self.step = compile_step(self._step, data.device) if compile else self._step
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward, backward, update; returns (loss, train error %, test error %) as device tensors."""
@@ -149,17 +176,6 @@ class FullBatchLoop:
         self.opt.step()
         with torch.no_grad():
             return ah.metrics.error_percent(self.model(self.data.x_test), self.data.y_test)
-
-    def run(self, epochs: int, progress: str | bool = False) -> History:
-        """Train for `epochs` full-batch steps and return the per-epoch errors (`progress`: a bar, or its label)."""
-        check_run(self.data, epochs, 1.0)
-        rows = []  # per epoch (loss, train error, test error): floats with host_sync, else device tensors
-        for _ in ah.session.progress(range(epochs), progress, unit="epoch"):
-            x, y = next(iter(self.loader)) if self.loader is not None else (self.data.x_train, self.data.y_train)
-            loss, tr, te = self.step(x, y)
-            rows.append([loss.item(), tr.item(), te.item()] if self.host_sync else torch.stack([loss, tr, te]))
-        host = np.array(rows).T if self.host_sync else torch.stack(rows, -1).cpu().numpy()  # one read of the run
-        return History(host[1], host[2], host[0])
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #459a6311
 def mlp_linears(model: nn.Module, who: str) -> list[nn.Linear]:
@@ -258,12 +274,10 @@ class FullGraphLoop(FullBatchLoop):
         # Detached views share the parameters' storage: updating them in place trains `model` itself.
         self.params = [t.detach() for lin in linears for t in (lin.weight, lin.bias)]
         self._step = lambda x, y: fullgraph_step(lr, self.params, x, y, data.x_test, data.y_test)
-        wrap = lambda f: f
         if compile:  # with CUDA graphs the weights must keep their addresses: mark them static
-            ah.internals.quiet_dynamo_logs()
             for p in self.params if data.device.type == "cuda" else []:
                 ah.internals.mark_static_address(p)
-            wrap = partial(torch.compile, fullgraph=True, **compile_options(data.device))
+        wrap = partial(compile_step, device=data.device, fullgraph=True) if compile else (lambda f: f)
         if test_every == 1:
             compiled = wrap(partial(fullgraph_step, lr))
             self.step = lambda x, y: compiled(self.params, x, y, data.x_test, data.y_test)
@@ -276,15 +290,28 @@ class FullGraphLoop(FullBatchLoop):
         """Train for `epochs` full-batch steps; the test error after every `test_every`-th step (NaN elsewhere)."""
         if self.test_every == 1:
             return super().run(epochs, progress)
-        check_run(self.data, epochs, 1.0)
-        x, y = self.data.x_train, self.data.y_train
-        nan = torch.tensor(float("nan"), device=self.data.device)
-        rows = []
-        for epoch in ah.session.progress(range(epochs), progress, unit="epoch"):
-            loss, tr = self.train_step(x, y)
-            rows.append(torch.stack([loss, tr, self.test_error() if (epoch + 1) % self.test_every == 0 else nan]))
-        host = torch.stack(rows, 1).cpu().numpy()
-        return History(host[1], host[2], host[0])
+        return run_testing_every(self.train_step, self.test_error, self.data, epochs, self.test_every, progress)
+
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #b9a2b17f
+def run_testing_every(
+    train_step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    test_error: Callable[[], torch.Tensor],
+    data: ah.data.Split,
+    epochs: int,
+    every: int,
+    progress: str | bool = False,
+) -> History:
+    """Train for `epochs` full-batch steps with `train_step` (returning loss and train error %), calling `test_error`
+    after every `every`-th step only (NaN elsewhere); the metrics stay on the device, read once after the run."""
+    check_run(data, epochs, 1.0)
+    x, y = data.x_train, data.y_train
+    nan = torch.tensor(float("nan"), device=data.device)
+    rows = []
+    for epoch in ah.session.progress(range(epochs), progress, unit="epoch"):
+        loss, tr = train_step(x, y)
+        rows.append(torch.stack([loss, tr, test_error() if (epoch + 1) % every == 0 else nan]))
+    host = torch.stack(rows, 1).cpu().numpy()
+    return History(host[1], host[2], host[0])
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #58d628e4
 class ManyMLP(nn.Module):
@@ -388,10 +415,10 @@ def fastai_runner(data: ah.data.Split, lr: float = 0.0025) -> Callable[[int], ob
     return fit
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #88c64e42
-def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True, lr: float = 0.0025) -> list[Variant]:
-    """The ablation's rows, in order, each built from the loops defined above."""
+def eager_variants(data: ah.data.Split, lr: float = 0.0025) -> list[Variant]:
+    """The ablation's rows that run without torch.compile, from udlbook's loop to the padded model, in order."""
     m = lambda: ah.models.udl_mlp(DEPTH, seed=0).to(data.device)
-    rows = [
+    return [
         Variant("naive", "udlbook's loop as written", 1, lambda: lambda n: udlbook_loop(m(), data, n, lr)),
         Variant(
             "naive+eval",
@@ -420,37 +447,47 @@ def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True, lr: f
             lambda: FullBatchLoop(pad_mlp(m()), data, lr).run,
         ),
     ]
-    if compile:
-        rows += [
+
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #de265291
+def compiled_variants(data: ah.data.Split, lr: float = 0.0025) -> list[Variant]:
+    """The ablation's rows that torch.compile the step, in order; the bf16 row only where bf16 runs (`bf16_ok`)."""
+    m = lambda: ah.models.udl_mlp(DEPTH, seed=0).to(data.device)
+    rows = [
+        Variant(
+            "compiled",
+            "+ torch.compile of the whole step",
+            1,
+            lambda: FullBatchLoop(pad_mlp(m()), data, lr, compile=True).run,
+        ),
+        Variant(
+            "fullgraph",
+            "+ one graph (torch.func), logits [classes, batch]",
+            1,
+            lambda: FullGraphLoop(pad_mlp(m()), data, lr).run,
+        ),
+        Variant(
+            "test/100",
+            "+ the test error every 100 epochs",
+            1,
+            lambda: FullGraphLoop(pad_mlp(m()), data, lr, test_every=100).run,
+        ),
+    ]
+    if bf16_ok(ah.device.Hardware.here(data.device)):
+        rows.append(
             Variant(
-                "compiled",
-                "+ torch.compile of the whole step",
+                "bf16",
+                "+ bf16 autocast (chapter 04), fp32 weights",
                 1,
-                lambda: FullBatchLoop(pad_mlp(m()), data, lr, compile=True).run,
-            ),
-            Variant(
-                "fullgraph",
-                "+ one graph (torch.func), logits [classes, batch]",
-                1,
-                lambda: FullGraphLoop(pad_mlp(m()), data, lr).run,
-            ),
-            Variant(
-                "test/100",
-                "+ the test error every 100 epochs",
-                1,
-                lambda: FullGraphLoop(pad_mlp(m()), data, lr, test_every=100).run,
-            ),
-        ]
-        if bf16_ok(ah.device.Hardware.here(data.device)):
-            rows.append(
-                Variant(
-                    "bf16",
-                    "+ bf16 autocast (chapter 04), fp32 weights",
-                    1,
-                    lambda: autocast_bf16(FullGraphLoop(pad_mlp(m()), data, lr, test_every=100).run, data.device),
-                    "bf16",
-                )
+                lambda: autocast_bf16(FullGraphLoop(pad_mlp(m()), data, lr, test_every=100).run, data.device),
+                "bf16",
             )
+        )
+    return rows
+
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #e413e010
+def variants(data: ah.data.Split, n_models: int = 8, compile: bool = True, lr: float = 0.0025) -> list[Variant]:
+    """The ablation's rows, in order, each built from the loops defined above."""
+    rows = eager_variants(data, lr) + (compiled_variants(data, lr) if compile else [])
     models = lambda: [pad_mlp(ah.models.udl_mlp(DEPTH, seed=i)) for i in range(n_models)]
     rows.append(
         Variant(
@@ -522,22 +559,18 @@ def row_result(v: Variant, rates: list[float], naive: list[float], flops: int, p
     }
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #e7476e48
-def run_fullbatch(
+def measure_rows(
+    rows: list[Variant],
     data: ah.data.Split,
-    *,
-    lr: float = 0.0025,
-    n_models: int = 8,
-    compile: bool = True,
-    rounds: int = 5,
-    round_s: float = 1.0,
-    min_steps: int = 20,
-    peak_gflops: float | None = None,
-    progress: bool = True,
+    flops: int,
+    rounds: int,
+    round_s: float,
+    min_steps: int,
+    peak_gflops: float | None,
+    progress: bool,
 ) -> dict[str, Any]:
-    """Every row in one process: warmed up, then `rounds` interleaved rounds; a JSON-ready result."""
-    flops = ah.timing.mlp_flops(ah.models.udl_sizes(DEPTH), len(data.x_train))
-    load_before = ah.timing.load_average()
-    rows = variants(data, n_models, compile, lr)
+    """Warm every row up, measure the matmul peaks, then time the rows in `rounds` interleaved rounds: the result's
+    peaks and its rows (`row_result`, with each row's warm-up seconds, steps per round and full gc passes)."""
     prepared = {
         v.name: prepare(v, data.device, round_s, min_steps)
         for v in ah.session.progress(rows, "warm-up" if progress else False, unit="row")
@@ -555,6 +588,26 @@ def run_fullbatch(
         | {"full_collections": collections[v.name]}
         for v in rows
     ]
+    return {"peak_gflops": peaks["fp32"], "peak_gflops_bf16": peaks.get("bf16"), "variants": out}
+
+# %% ../notebooks/02_fullbatch_fast_loop.ipynb #674d44e1
+def run_fullbatch(
+    data: ah.data.Split,
+    *,
+    lr: float = 0.0025,
+    n_models: int = 8,
+    compile: bool = True,
+    rounds: int = 5,
+    round_s: float = 1.0,
+    min_steps: int = 20,
+    peak_gflops: float | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every row in one process: warmed up, then `rounds` interleaved rounds; a JSON-ready result."""
+    flops = ah.timing.mlp_flops(ah.models.udl_sizes(DEPTH), len(data.x_train))
+    load_before = ah.timing.load_average()
+    rows = variants(data, n_models, compile, lr)
+    measured = measure_rows(rows, data, flops, rounds, round_s, min_steps, peak_gflops, progress)
     return {
         "schema": "accel-course/bench-fullbatch/3",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -571,9 +624,7 @@ def run_fullbatch(
             "lr": lr,
             "train_flops_per_model_step": flops,
         },
-        "peak_gflops": peaks["fp32"],
-        "peak_gflops_bf16": peaks.get("bf16"),
-        "variants": out,
+        **measured,  # the peaks and the rows, last
     }
 
 # %% ../notebooks/02_fullbatch_fast_loop.ipynb #82fb7167

@@ -6,8 +6,9 @@ EWMA, an LR finder, the one-cycle schedule, and the learning-rate sweep and seed
 # %% auto #0
 __all__ = ['StepCallback', 'l2_penalty', 'decoupled_wd', 'average_grad', 'average_sqr_grad', 'count_steps', 'sgd_step',
            'momentum_step', 'rmsprop_step', 'adam_step', 'CallbackOptimizer', 'sgd', 'rmsprop', 'adam', 'set_hypers',
-           'max_param_gap', 'ewma', 'LRFinderResult', 'lr_suggestions', 'lr_find', 'cos_anneal', 'one_cycle',
-           'one_cycle_on_step', 'train_recipe', 'holdout', 'lr_sweep', 'best_lr', 'fastai_history', 'to_target_stats']
+           'max_param_gap', 'ewma', 'LRFinderResult', 'lr_suggestions', 'lr_find_step', 'lr_find', 'cos_anneal',
+           'one_cycle', 'one_cycle_on_step', 'train_recipe', 'holdout', 'lr_sweep', 'best_lr', 'fastai_history',
+           'to_target_stats']
 
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #755e4795
 import copy
@@ -280,6 +281,23 @@ def lr_suggestions(
         "valley": float(lr[(first + last) // 2]),
     }
 
+# %% ../notebooks/03_momentum_adam_one_cycle.ipynb #563614f1
+def lr_find_step(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    lr: float,
+) -> float:
+    """One step of an LR sweep: an ordinary training step on `batch` at the rate `lr`; returns the batch's loss."""
+    set_hypers(opt, lr=lr)
+    xb, yb = batch
+    loss = loss_fn(model(xb), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
 # %% ../notebooks/03_momentum_adam_one_cycle.ipynb #0326d63d
 def lr_find(
     model: nn.Module,
@@ -304,13 +322,8 @@ def lr_find(
     try:
         for i in range(num_it):
             lr = start_lr * (end_lr / start_lr) ** (i / num_it)
-            set_hypers(opt, lr=lr)
-            xb, yb = next(batch_iter)
-            loss = loss_fn(model(xb), yb)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            v = beta * v + (1 - beta) * loss.item()
+            loss = lr_find_step(model, loss_fn, opt, next(batch_iter), lr)
+            v = beta * v + (1 - beta) * loss
             s = v / (1 - beta ** (i + 1))
             lrs.append(lr), smooth.append(s)
             best = min(best, s)

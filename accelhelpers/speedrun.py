@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['DATASHEET_TFLOPS', 'Language', 'make_language', 'sample', 'fingerprint', 'bayes_loss', 'previous_token_loss',
-           'GPTConfig', 'CausalSelfAttention', 'MLP', 'Block', 'GPT', 'flops_per_token', 'weight_macs',
-           'attention_macs', 'datasheet_peaks', 'mfu', 'Recipe', 'switch_problem', 'Row', 'needs', 'Planned', 'plan',
-           'Hyper', 'initial_weights', 'compile_options', 'sdpa_backend', 'Trainer', 'warm_up', 'step_memory',
-           'TargetRun', 'next_check', 'run_to_target', 'Trial', 'helps', 'paired_runs', 'keep_what_helps', 'decision',
-           'table']
+           'GPTConfig', 'CausalSelfAttention', 'MLP', 'Block', 'init_gpt_weights', 'GPT', 'flops_per_token',
+           'weight_macs', 'attention_macs', 'datasheet_peaks', 'mfu', 'Recipe', 'switch_problem', 'Row', 'needs',
+           'Planned', 'plan', 'Hyper', 'initial_weights', 'compile_options', 'sdpa_backend', 'rank_share',
+           'validation_loss', 'wrap_model', 'mark_compiled_step', 'adamw_with_warmup', 'optimizer_update', 'Trainer',
+           'warm_up', 'step_memory', 'TargetRun', 'next_check', 'run_to_target', 'Trial', 'helps', 'paired_runs',
+           'keep_what_helps', 'decision', 'table']
 
 # %% ../notebooks/11_speedrun.ipynb #3fde3c4a
 import hashlib
@@ -50,7 +51,7 @@ class Language:
         """Markov chains (topics) the sequences are drawn from."""
         return self.transitions.shape[0]
 
-
+# %% ../notebooks/11_speedrun.ipynb #22679b60
 def make_language(
     vocab: int = 16, topics: int = 4, successors: int = 3, seed: int = 0, smooth: float = 0.02
 ) -> Language:
@@ -78,7 +79,7 @@ def make_language(
             break
     return Language(probs, start / start.sum(1, keepdims=True))
 
-
+# %% ../notebooks/11_speedrun.ipynb #f228e750
 def sample(lang: Language, n: int, length: int, seed: int) -> torch.Tensor:
     """`n` sequences of `length` + 1 tokens, int64 [n, length + 1] (a model reads [:, :-1] and predicts [:, 1:]),
     drawn by inverse CDF from PCG64 uniforms: the same tokens on every machine for the same seed."""
@@ -94,7 +95,7 @@ def sample(lang: Language, n: int, length: int, seed: int) -> torch.Tensor:
         x[:, t] = np.minimum((u[:, t + 1, None] > cdf[topic, x[:, t - 1]]).sum(1), lang.vocab - 1)
     return torch.from_numpy(x)
 
-
+# %% ../notebooks/11_speedrun.ipynb #81e824ca
 def fingerprint(tokens: torch.Tensor) -> str:
     """The first 16 hex digits of the tokens' SHA-256 (as little-endian int64): equal on two machines, equal data."""
     return hashlib.sha256(np.ascontiguousarray(np.asarray(tokens), dtype="<i8").tobytes()).hexdigest()[:16]
@@ -141,7 +142,7 @@ class GPTConfig:
         if min(self.vocab, self.context, self.n_layer, self.n_head, self.n_embd) < 1 or self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig needs positive sizes and n_embd divisible by n_head, got {self}")
 
-
+# %% ../notebooks/11_speedrun.ipynb #fcff7b14
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: softmax(q kᵀ / √d) v with the future masked, written out ('plain') or by
     F.scaled_dot_product_attention ('sdpa'), optionally restricted to some SDPA backends (`backends`)."""
@@ -174,7 +175,7 @@ class CausalSelfAttention(nn.Module):
             y = att @ v
         return self.c_proj(y.transpose(1, 2).reshape(b, t, c))  # heads side by side again
 
-
+# %% ../notebooks/11_speedrun.ipynb #eb856a00
 class MLP(nn.Module):
     """The feed-forward half of a block: n_embd -> 4 n_embd -> GELU -> n_embd."""
 
@@ -199,6 +200,22 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+# %% ../notebooks/11_speedrun.ipynb #ab15a78e
+def init_gpt_weights(model: nn.Module, n_layer: int) -> None:
+    """nanoGPT's initialisation of `model`, in place: every Linear and Embedding weight drawn from N(0, 0.02²) and
+    every Linear bias zero, then the residual projections (`c_proj`) drawn again from N(0, (0.02 / √(2 n_layer))²)."""
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear | nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    model.apply(init)
+    for name, p in model.named_parameters():  # nanoGPT's smaller init of the residual projections
+        if name.endswith("c_proj.weight"):
+            nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * n_layer))
+
 # %% ../notebooks/11_speedrun.ipynb #a2c6d9a0
 class GPT(nn.Module):
     """A nanoGPT-sized decoder-only transformer: token and position embeddings, `n_layer` blocks, a final LayerNorm
@@ -212,17 +229,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying: one matrix, two uses
-        self.apply(self._init)
-        for name, p in self.named_parameters():  # nanoGPT's smaller init of the residual projections
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear | nn.Embedding):
-            nn.init.normal_(m.weight, 0.0, 0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        init_gpt_weights(self, cfg.n_layer)
 
     def set_attention(self, kind: str, backends: Sequence[Any] | None = None) -> "GPT":
         """Compute attention the `kind` way ('plain' or 'sdpa'), SDPA limited to `backends` if given."""
@@ -318,7 +325,7 @@ class Recipe:
         if problems:
             raise ValueError("Recipe: " + "; ".join(problems))
 
-
+# %% ../notebooks/11_speedrun.ipynb #2bc31cb7
 def switch_problem(name: str, value: Any) -> str | None:
     """What is wrong with setting switch `name` of a Recipe to `value`, or None."""
     allowed = {
@@ -444,6 +451,84 @@ def sdpa_backend(name: str) -> Any:
         "math": SDPBackend.MATH,
     }[name]
 
+# %% ../notebooks/11_speedrun.ipynb #1622874a
+def rank_share(batch: int, world: int) -> tuple[int, int]:
+    """This process's rank among `world` ranks (0 for one process) and its share of a global batch of `batch`
+    sequences; refuses ranks that torchrun did not start and a batch that does not split evenly over them."""
+    rank = 0
+    if world > 1:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+            raise RuntimeError(
+                f"a recipe with world={world} runs in {world} ranks that torchrun "
+                "started and ah.parallel.setup_rank() joined"
+            )
+        rank = dist.get_rank()
+    if batch % world:
+        raise ValueError(f"a batch of {batch} cannot be split evenly over {world} ranks")
+    return rank, batch // world
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, val: torch.Tensor, policy: ah.precision.Policy, world: int = 1) -> float:
+    """The mean loss of `model` on the sequences `val` (on the model's device) under `policy`'s autocast; on several
+    ranks, averaged over them, so that every rank sees the same loss."""
+    with policy.autocast():
+        loss = model(val[:, :-1], val[:, 1:]).float()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    return loss.item()
+
+# %% ../notebooks/11_speedrun.ipynb #f2736c47
+def wrap_model(model: nn.Module, recipe: Recipe, device: torch.device) -> nn.Module:
+    """What a training step calls: `model` compiled the recipe's way if it compiles, then wrapped in DDP if it runs
+    on several ranks (the wrappers share the model's weights)."""
+    net: nn.Module = model
+    if recipe.compile:
+        ah.internals.quiet_dynamo_logs()
+        net = torch.compile(net, **compile_options(recipe.compile, device))
+    if recipe.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+    return net
+
+
+def mark_compiled_step(mode: str | None, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Before a compiled step (`mode`: the recipe's compile mode; None, eager: nothing to do): the batch dimension
+    marked dynamic, and with CUDA graphs the start of a new step."""
+    if mode:
+        ah.internals.mark_dynamic(x, 0)  # one compile serves every batch size
+        ah.internals.mark_dynamic(y, 0)
+        if mode in _GRAPH_MODES:
+            torch.compiler.cudagraph_mark_step_begin()
+
+# %% ../notebooks/11_speedrun.ipynb #1df1fb88
+def adamw_with_warmup(
+    model: nn.Module, optimizer: str, lr: float, hyper: Hyper
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """A new AdamW for `model`, the implementation `optimizer` names ('default': PyTorch's choice for the device,
+    'foreach' or 'fused'), and its schedule: the learning rate rises linearly to `lr` over `hyper.warmup` steps."""
+    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[optimizer]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=hyper.betas, weight_decay=hyper.weight_decay, **impl)
+    warmup = max(hyper.warmup, 1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+
+
+def optimizer_update(
+    loss: torch.Tensor,
+    scaler: torch.amp.GradScaler,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """The backward pass from `loss` and one optimizer step through the precision policy's `scaler`, then the
+    gradients cleared and the warm-up advanced."""
+    scaler.scale(loss).backward()  # fp16: the scaled loss; otherwise the loss itself
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+
 # %% ../notebooks/11_speedrun.ipynb #cb2f4382
 class Trainer:
     """One recipe made real: the model with its attention, compiled and/or wrapped in DDP, the precision policy,
@@ -451,43 +536,20 @@ class Trainer:
 
     def __init__(self, recipe: Recipe, cfg: GPTConfig, hyper: Hyper, train: torch.Tensor, device: torch.device | str):
         self.recipe, self.cfg, self.hyper, self.device = recipe, cfg, hyper, torch.device(device)
-        self.world, self.rank = recipe.world, 0
-        if self.world > 1:
-            if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != self.world:
-                raise RuntimeError(
-                    f"a recipe with world={self.world} runs in {self.world} ranks that torchrun "
-                    "started and ah.parallel.setup_rank() joined"
-                )
-            self.rank = dist.get_rank()
-        self.batch = hyper.batch * recipe.batch_scale
-        if self.batch % self.world:
-            raise ValueError(f"a batch of {self.batch} cannot be split evenly over {self.world} ranks")
-        self.local_batch = self.batch // self.world
+        self.world, self.batch = recipe.world, hyper.batch * recipe.batch_scale
+        self.rank, self.local_batch = rank_share(self.batch, self.world)
         self.lr = hyper.lr * recipe.batch_scale * recipe.lr_scale
         self.train = train.to(self.device)
         self.model = GPT(cfg).to(self.device)
         self.model.set_attention(recipe.attention, None if recipe.backend is None else [sdpa_backend(recipe.backend)])
         self.policy = ah.precision.policy_for(self.device, None if recipe.precision == "mixed" else "fp32")
-        net: nn.Module = self.model
-        if recipe.compile:
-            ah.internals.quiet_dynamo_logs()
-            net = torch.compile(net, **compile_options(recipe.compile, self.device))
-        if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            net = DDP(net, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.net = net
+        self.net = wrap_model(self.model, recipe, self.device)
         self.reset(0)
 
     def reset(self, seed: int) -> None:
         """A fresh run: the seed's initial weights, a new AdamW, warm-up and scaler, and the seed's batch order."""
         self.model.load_state_dict(initial_weights(self.cfg, seed))
-        impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[self.recipe.optimizer]
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=self.lr, betas=self.hyper.betas, weight_decay=self.hyper.weight_decay, **impl
-        )
-        warmup = max(self.hyper.warmup, 1)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: min(1.0, (step + 1) / warmup))
+        self.opt, self.sched = adamw_with_warmup(self.model, self.recipe.optimizer, self.lr, self.hyper)
         self.scaler = self.policy.grad_scaler()
         self.gen = torch.Generator(self.device).manual_seed(seed)  # the same global batches on every rank
         self.steps = 0
@@ -500,31 +562,16 @@ class Trainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on (x, y); returns the loss (on the device: reading it would sync)."""
-        if self.recipe.compile:
-            ah.internals.mark_dynamic(x, 0)  # one compile serves every batch size
-            ah.internals.mark_dynamic(y, 0)
-            if self.recipe.compile in _GRAPH_MODES:
-                torch.compiler.cudagraph_mark_step_begin()
+        mark_compiled_step(self.recipe.compile, x, y)
         with self.policy.autocast():
             loss = self.net(x, y)
-        self.scaler.scale(loss).backward()  # fp16: the scaled loss; otherwise the loss itself
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        optimizer_update(loss, self.scaler, self.opt, self.sched)
         self.steps += 1
         return loss.detach()
 
-    @torch.no_grad()
     def evaluate(self, val: torch.Tensor) -> float:
         """The mean validation loss (the eager model, the row's precision); averaged over the ranks."""
-        val = val.to(self.device)
-        with self.policy.autocast():
-            loss = self.model(val[:, :-1], val[:, 1:]).float()
-        if self.world > 1:
-            dist.all_reduce(loss)
-            loss /= self.world
-        return loss.item()
+        return validation_loss(self.model, val.to(self.device), self.policy, self.world)
 
 # %% ../notebooks/11_speedrun.ipynb #2b260bad
 def warm_up(tr: Trainer, steps: int = 3) -> float:

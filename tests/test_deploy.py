@@ -278,7 +278,7 @@ def test_hls_config_overrides():
         ah.deploy.hls_config(ah.models.mlp([4, 8, 3]), 4, "float32")
 
 
-# Left to nbval: hls4ml == the NumPy firmware model, bit for bit (chapter 08 cells 70, 76); its project (cells 82, 84).
+# Left to nbval: hls4ml == the NumPy firmware model, bit for bit (chapter 08 cells 76, 82); its project (cells 88, 90).
 def test_hls_sweep_refuses_no_precisions_and_unmatched_overrides(trained, blobs, tmp_path):
     xs = blobs[0][:4].numpy()
     with pytest.raises(ValueError, match="at least one"):

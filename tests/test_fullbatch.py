@@ -14,7 +14,7 @@ def data():
     return ah.data.mnist1d()
 
 
-# Left to nbval: fast path and model 0 of 2 vs udlbook's loop, loss over 60 steps (chapter 02 cell 55); here, fewer.
+# Left to nbval: fast path and model 0 of 2 vs udlbook's loop, loss over 60 steps (chapter 02 cell 69); here, fewer.
 CHECK_STEPS = 6
 
 

@@ -132,4 +132,4 @@ def test_wait_for_times_out_when_the_group_has_gone_before_the_kill():
         ah.longrun.wait_for(proc, "NEVER", timeout=1)
 
 
-# Left to nbval: torchrun restarts a killed rank (chapter 09 cells 65, 86); FSDP2 shards load in 1 process (cell 50).
+# Left to nbval: torchrun restarts a killed rank (chapter 09 cells 67, 90); FSDP2 shards load in 1 process (cell 50).

@@ -25,8 +25,9 @@ from conftest import compat_teardown_abort
 ROOT = Path(__file__).resolve().parents[1]
 
 TIMEOUT = 150  # seconds for any launch here; they run concurrently on a possibly busy 2-core machine
-SCRIPTS = ("ddp_common", "equivalence", "ddp_train", "ddp_timing", "fastai_train", "accelerate_launchers", "fsdp",
-           "amp_ddp", "unused_parameters", "allreduce_sweep", "pipeline_bubble")
+SCRIPTS = ("ddp_common", "equivalence", "ddp_data", "ddp_train", "ddp_timing", "batch_sizes", "fastai_train",
+           "accelerate_launchers", "fsdp", "amp_ddp", "two_heads", "native_stderr", "unused_parameters",
+           "allreduce_sweep", "gpipe", "pipeline_bubble")
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def test_equivalence_script_at_world_1_matches_reference(group1, scripts, monkey
 
 def test_mnist1d_loader_splits_the_data_between_ranks(group1, worker):
     ah.parallel.init_distributed("gloo", 30)
-    loader, data = worker("ddp_train").mnist1d_loader(batch=50)
+    loader, data = worker("ddp_data").mnist1d_loader(batch=50)
     loader.sampler.set_epoch(0)
     first = list(loader.sampler)
     assert list(loader.sampler) == first  # no set_epoch: the same order again
@@ -306,7 +307,7 @@ def test_fastai_broadcast_fails_on_cpu_unpatched_and_works_patched(group1):
 
 
 def test_amp_step_keeps_fp32_weights_and_two_heads_leaves_one_head_unused(worker):
-    amp_step, two_heads = worker("amp_ddp").amp_step, worker("unused_parameters").TwoHeads
+    amp_step, two_heads = worker("amp_ddp").amp_step, worker("two_heads").TwoHeads
     model = ah.models.mlp([40, 16, 10])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -319,7 +320,7 @@ def test_amp_step_keeps_fp32_weights_and_two_heads_leaves_one_head_unused(worker
 
 
 def test_native_stderr_catches_what_c_code_writes_to_fd_2(worker, tmp_path, capfd):
-    native_stderr = worker("unused_parameters").native_stderr
+    native_stderr = worker("native_stderr").native_stderr
     with native_stderr(tmp_path / "err.txt"):
         os.write(2, b"[W reducer.cpp:1] Warning: caught here. More text\n")
     os.write(2, b"after\n")
