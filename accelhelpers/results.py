@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,19 @@ def build_dir() -> Path:
     """Where runs write their outputs: ACCEL_BUILD, else build/ in the checkout, else ./build."""
     env = os.environ.get("ACCEL_BUILD")
     return Path(env) if env else (repo_root() or Path.cwd()) / "build"
+
+
+def fresh_dir(*parts: str) -> Path:
+    """An empty folder `build_dir()/parts...` for one run of a chapter (anything a previous run left there is
+    removed), named as a cell prints it and a process started from the current folder opens it: relative to the
+    current folder when it lies in the checkout (`../build/ch06` from notebooks/), else as it is."""
+    folder = build_dir().joinpath(*parts)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    root = repo_root()
+    if root is not None and folder.resolve().is_relative_to(root):
+        return Path(os.path.relpath(folder.resolve()))
+    return folder
 
 
 def results_dir() -> Path:

@@ -1,6 +1,7 @@
 """results and session: recording named measurements and figures where the report finds them."""
 
 import json
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -112,3 +113,19 @@ def test_a_chapter_s_recorded_time_comes_from_the_newest_quick_course_run(tmp_pa
     recorded("course_c_2026-12-04", "2026-12-04 10:00:00", profile="full", **{"01": 400.0})
     assert ah.results.recorded_seconds("01", tmp_path) is None  # the newest run was not the quick profile
     assert ah.results.recorded_seconds("01", tmp_path / "none") is None
+
+
+def test_fresh_dir_empties_the_folder_and_names_it_from_here_inside_a_checkout(tmp_path, monkeypatch):
+    outside = ah.results.fresh_dir("ch99", "workers")  # ACCEL_BUILD (the tests' tmp folder) is outside any checkout
+    (outside / "stale.py").write_text("left by an earlier run")
+    again = ah.results.fresh_dir("ch99", "workers")
+    assert again == outside and again.is_absolute() and list(again.iterdir()) == []
+    checkout = tmp_path / "course"
+    (checkout / "accelhelpers").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    (checkout / "notebooks").mkdir()
+    monkeypatch.setenv("ACCEL_BUILD", str(checkout / "build"))
+    monkeypatch.chdir(checkout / "notebooks")  # where a chapter's kernel runs
+    shown = ah.results.fresh_dir("ch99", "workers")
+    assert shown == Path("../build/ch99/workers") and shown.is_dir()
+    assert shown.resolve() == (checkout / "build" / "ch99" / "workers").resolve()
