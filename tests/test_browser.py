@@ -120,6 +120,13 @@ def lab(tmp_path_factory):
     settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
+    # After an error the kernel cancels the requests already queued, and by default (ipykernel's
+    # stop_on_error_timeout = 0) only those: on a loaded CI host "Run All"'s later cells can reach the kernel a
+    # moment after the error and run (a CI run saw the control's third cell numbered [3]). A 2-s window makes
+    # "Run All stops at the failing cell" a property of the run, not of the host's load.
+    kernel_config = tmp / "ipython" / "profile_default" / "ipython_kernel_config.py"
+    kernel_config.parent.mkdir(parents=True)
+    kernel_config.write_text("c.IPythonKernel.stop_on_error_timeout = 2.0\n")
     env = {**os.environ,
            "ACCEL_RESULTS_DIR": str(tmp / "build" / "results"), "ACCEL_BUILD": str(tmp / "build"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
