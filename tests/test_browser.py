@@ -120,13 +120,6 @@ def lab(tmp_path_factory):
     settings = tmp / "lab-settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false", "checkForUpdates": false}')
-    # After an error the kernel cancels the requests already queued, and by default (ipykernel's
-    # stop_on_error_timeout = 0) only those: on a loaded CI host "Run All"'s later cells can reach the kernel a
-    # moment after the error and run (a CI run saw the control's third cell numbered [3]). A 2-s window makes
-    # "Run All stops at the failing cell" a property of the run, not of the host's load.
-    kernel_config = tmp / "ipython" / "profile_default" / "ipython_kernel_config.py"
-    kernel_config.parent.mkdir(parents=True)
-    kernel_config.write_text("c.IPythonKernel.stop_on_error_timeout = 2.0\n")
     env = {**os.environ,
            "ACCEL_RESULTS_DIR": str(tmp / "build" / "results"), "ACCEL_BUILD": str(tmp / "build"),
            "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces"),
@@ -280,7 +273,10 @@ def test_the_error_check_catches_an_exception(lab, page):
     assert len(errors) == 1 and "ZeroDivisionError" in errors[0], errors
     stderr = panel.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')
     assert "a harmless warning" in stderr.first.inner_text()  # shown as stderr, yet not taken for an error
-    assert state["prompts"][2] == "[ ]:", "Run All should stop at the failing cell"
+    # Run All queues every cell; after cell 2 fails, ipykernel 7 aborts the requests it already holds, and one that
+    # reaches its shell thread a moment later still runs (that thread ignores stop_on_error_timeout): on a loaded
+    # host the third cell may run. What must hold: the second cell is the one that failed, and the only one.
+    assert state["prompts"][:2] == ["[1]:", "[2]:"], state["prompts"]
     saved = _save(page, panel, lab.root / "error_control.ipynb", 2)
     assert [o.ename for c in saved.cells for o in c.outputs if o.output_type == "error"] == ["ZeroDivisionError"]
 
