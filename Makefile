@@ -33,6 +33,8 @@ course: venv
 # sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE: about 2.7x the throughput of two busy-waiting
 # processes here). Timing tests compare within one process, so they hold under the load; the chapters' own figures
 # come from `make course`. The 25 slowest tests' times end the output (the CI log's record of where the time went).
+# Inductor takes the CPU's vector instructions from its flags (TORCHINDUCTOR_VEC_ISA_OK=1), as every chapter's setup
+# tells it to (ah.session.trust_cpu_flags), so the tests' own processes skip its per-process check too.
 # Everything runs on a second numeric path of this CPU (tools/numeric_path.py: vector kernels one level below its
 # own, MKL held to AVX2, checked first to change a training run's bits here), so nbval shows that the compared
 # outputs hold on another CPU, not only on the kind that recorded them. Where no second path exists (it would not
@@ -42,7 +44,8 @@ test: venv lint browser slurm $(SITE)/.installed
 		if [ -n "$$ACCEL_REQUIRE_SECOND_PATH" ]; then echo "no second numeric path on this CPU"; exit 1; fi; \
 		echo "no second numeric path on this CPU: nbval compares on its own kernels"; path=""; }; \
 	echo "numeric path of the tests: $${path:-this CPU's own}"; \
-	env $$path OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests notebooks --nbval -n 2 \
+	env $$path OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE TORCHINDUCTOR_VEC_ISA_OK=1 $(BIN)/python -m pytest \
+		tests notebooks --nbval -n 2 \
 		--dist loadfile --no-loadscope-reorder --durations=25
 
 # The edit-test loop (under 3 minutes on 2 cores): the package's tests without the slow ones (tests/conftest.py marks

@@ -51,6 +51,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def trust_cpu_flags() -> None:
+    """Let torch.compile's CPU code generator take the vector instructions (AVX2, AVX-512) from the CPU's flags.
+    Unset, Inductor's first compile in every process builds a test library per instruction set and loads each in a
+    new Python to check it: seconds per process, paid again by every worker, torchrun rank and Slurm job. The
+    variable (TORCHINDUCTOR_VEC_ISA_OK=1, read when Inductor's config is first imported) is inherited by every
+    process started from here; one already set (to 0, say) is left alone."""
+    os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+
 @dataclass
 class Setup:
     """What a chapter needs to know about where it runs."""
@@ -85,6 +94,7 @@ def setup(chapter: str, seed: int = 0, device: str | None = None, verbose: bool 
     written for, where the best device is another kind (a TPU for most chapters) it runs on the CPU, and says so."""
     results.set_chapter(chapter)
     seed_everything(seed)
+    trust_cpu_flags()
     note, best = None, devices.available_devices()[0]
     if device is None and not os.environ.get("ACCEL_DEVICE") and best not in supports:
         note = (f"This host's best device is {best}, but chapter {chapter} is written for "

@@ -117,10 +117,11 @@ def task_hardware(env: Mapping[str, str]) -> _Hardware:
 def config(folder: Path, node: str, cpus: int, ctld_port: int, d_port: int, gpus: int = 0,
            overrides: bool = False) -> str:
     """slurm.conf for one node with `cpus` CPUs: no cgroups (proctrack/linuxproc, task/none), state under `folder`,
-    job completions logged to a text file (`sacct -c` reads it; sacct's database needs slurmdbd). With `gpus`, a GPU
-    GRES of that many (gres.conf beside it names the devices). With `gpus` or `overrides`, slurmd takes the node's
-    CPUs from here, not from the hardware (config_overrides): one task per GPU may need more CPUs than this machine
-    has, and jobs that mostly wait can share its cores."""
+    job completions logged to a text file (`sacct -c` reads it; sacct's database needs slurmdbd), a batch job
+    scheduled when it is submitted (batch_sched_delay=0: Slurm's default, 3 s, batches a busy cluster's
+    submissions). With `gpus`, a GPU GRES of that many (gres.conf beside it names the devices). With `gpus` or
+    `overrides`, slurmd takes the node's CPUs from here, not from the hardware (config_overrides): one task per GPU
+    may need more CPUs than this machine has, and jobs that mostly wait can share its cores."""
     gres = "GresTypes=gpu\n" if gpus else ""
     gres += "SlurmdParameters=config_overrides\n" if gpus or overrides else ""
     node_gres = f" Gres=gpu:{gpus}" if gpus else ""
@@ -147,6 +148,7 @@ KillWait=10
 JobCompType=jobcomp/filetxt
 JobCompLoc={folder}/jobcomp.txt
 AccountingStorageType=accounting_storage/none
+SchedulerParameters=batch_sched_delay=0
 {gres}NodeName={node} CPUs={cpus}{node_gres} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """

@@ -74,3 +74,25 @@ def test_reset_accelerate_state_lets_a_second_accelerator_start(monkeypatch):
     ah.internals.reset_accelerate_state()
     assert Accelerator(cpu=True, gradient_accumulation_steps=4).gradient_accumulation_steps == 4
     ah.internals.reset_accelerate_state()
+
+
+@pytest.mark.parametrize("preset, expected", [(None, True), ("0", False)])
+def test_setup_lets_inductor_trust_the_cpu_flags_in_this_process_and_its_children(preset, expected):
+    """Inductor's first CPU compile of a process loads a test library in a new Python per vector instruction set
+    (seconds each); after setup a compile in this process, and in a worker it starts, reads the CPU's flags instead.
+    A value the learner set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
+    if preset is not None:
+        env["TORCHINDUCTOR_VEC_ISA_OK"] = preset
+    child = "import torch._inductor.config as c; print(c.cpp.vec_isa_ok)"
+    code = (
+        "import subprocess, sys\nimport accelhelpers as ah\nah.session.setup('95', verbose=False)\n"
+        f"import torch._inductor.config as c\nprint(c.cpp.vec_isa_ok)\n"
+        f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout.strip())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == [str(expected), str(expected)]

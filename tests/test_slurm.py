@@ -182,6 +182,13 @@ def test_a_job_runs_every_task_and_its_output_comes_back(cluster, jobs):
         "task 0 of 2", "task 1 of 2"]
 
 
+def test_the_cluster_schedules_a_batch_job_when_it_is_submitted(cluster):
+    """Slurm's default lets the scheduling of a batch job wait up to 3 s (batch_sched_delay, to batch submissions on a
+    busy cluster): on this one-node cluster that was 3 s of every job. The running controller reports it off."""
+    config = cluster.run("scontrol", "show", "config").stdout
+    assert re.search(r"SchedulerParameters\s*=\s*\S*batch_sched_delay=0", config), config
+
+
 @pytest.mark.slow
 def test_one_and_two_tasks_train_the_same_model(cluster, jobs):
     finals = {}
