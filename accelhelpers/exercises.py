@@ -868,14 +868,14 @@ def _ch06_first(sampler: DistributedSampler, epoch: int | None, k: int = 4) -> l
 @exercise(
     "06.3",
     answers=("epoch0_first", "epoch1_first_without", "epoch1_first_with"),
-    hint="build ddp_train.py's sampler for rank 0 without a process group, DistributedSampler(range(n), "
-    "num_replicas=NPROC, rank=0, shuffle=True, seed=0) with n the MNIST-1D training rows, and list it: once, once more "
-    "without set_epoch, and after set_epoch(1)",
+    hint="build the sampler of ddp_data.py (the loader ddp_train.py trains from) for rank 0 without a process group, "
+    "DistributedSampler(range(n), num_replicas=NPROC, rank=0, shuffle=True, seed=0) with n the MNIST-1D training "
+    "rows, and list it: once, once more without set_epoch, and after set_epoch(1)",
     wrong={"epoch0_first": [0, 1, 2, 3], "epoch1_first_without": [0, 1, 2, 3], "epoch1_first_with": [0, 1, 2, 3]},
 )
 def _ch06_3_set_epoch(epoch0_first, epoch1_first_without, epoch1_first_with, world=2):
-    """Rank 0's first four indices of ddp_train.py's DistributedSampler in epochs 0 and 1, with and without
-    set_epoch (no process group: rank and world are given)."""
+    """Rank 0's first four indices of ddp_data.py's DistributedSampler (ddp_train.py's loader) in epochs 0 and 1,
+    with and without set_epoch (no process group: rank and world are given)."""
     n = len(ah.data.mnist1d().x_train)
     new = lambda: DistributedSampler(range(n), num_replicas=world, rank=0, shuffle=True, seed=0)
     sampler = new()
