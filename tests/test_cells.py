@@ -7,11 +7,14 @@ from __future__ import annotations
 import ast
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.workers import worker_cells, write_workers
 from tools import nbexport
 
 NOTEBOOKS = nbexport.chapters()
@@ -150,37 +153,28 @@ def test_no_compared_cell_relies_on_a_semicolon_to_stay_quiet(nb: Path) -> None:
     assert loud == []
 
 
-def workers(cells: list[Cell]) -> dict[str, str]:
-    """{file name: source} of the Python workers a chapter writes with `%%writefile`: `ruff check notebooks` skips
-    a cell that starts with a cell magic, so these are linted here."""
-    found = {}
-    for c in cells:
-        src = _source(c)
-        m = re.match(r"%%writefile\s+(\S+\.py)\s*\n", src) if c["cell_type"] == "code" else None
-        if m:
-            found[m.group(1).rsplit("/", 1)[-1]] = src[m.end() :]
-    return found
+def _has_python_workers(nb: Path) -> bool:
+    try:
+        return any(name.endswith(".py") for name in worker_cells(nb.name[:2]))
+    except LookupError:  # a chapter without %%writefile cells
+        return False
 
 
-def pyflakes_errors(files: dict[str, str], folder: Path) -> list[str]:
-    """ruff's pyflakes rules (unused imports and variables, undefined names) over `files`, written to `folder`."""
-    import subprocess
-    import sys
-
-    for name, src in files.items():
-        (folder / name).write_text(src)
+def pyflakes_errors(folder: Path) -> list[str]:
+    """ruff's pyflakes rules (unused imports and variables, undefined names) over the Python files in `folder`."""
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "F", "--no-cache", "--output-format",
                         "concise", "--isolated", str(folder)], capture_output=True, text=True)
     return [line for line in r.stdout.splitlines() if re.search(r"\.py:\d+:\d+: F\d+", line)]
 
 
-@pytest.mark.parametrize("nb", [nb for nb in NOTEBOOKS if workers(_cells(nb))], ids=lambda p: p.name[:2])
+@pytest.mark.parametrize("nb", [nb for nb in NOTEBOOKS if _has_python_workers(nb)], ids=lambda p: p.name[:2])
 def test_the_chapters_workers_import_and_name_only_what_they_use(nb: Path, tmp_path: Path) -> None:
-    assert pyflakes_errors(workers(_cells(nb)), tmp_path) == []
+    """`ruff check notebooks` skips a cell that starts with a cell magic: the `%%writefile` workers are linted here."""
+    write_workers(nb.name[:2], tmp_path)
+    assert pyflakes_errors(tmp_path) == []
 
 
 def test_the_worker_lint_sees_an_unused_import_and_an_undefined_name(tmp_path: Path) -> None:
-    cell = {"cell_type": "code", "id": "w", "metadata": {},
-            "source": "%%writefile {WORKERS}/w.py\nimport os\n\nprint(undefined_name)\n"}
-    found = pyflakes_errors(workers([cell]), tmp_path)
+    (tmp_path / "w.py").write_text("import os\n\nprint(undefined_name)\n")
+    found = pyflakes_errors(tmp_path)
     assert [line.split(": ")[1].split()[0] for line in found] == ["F401", "F821"], found

@@ -1,6 +1,10 @@
 """session (setup, threads) and internals: a chapter's first cell, the thread-count context manager and the
 private-API wrappers."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -81,10 +85,6 @@ def test_setup_lets_inductor_trust_the_cpu_flags_in_this_process_and_its_childre
     """Inductor's first CPU compile of a process loads a test library in a new Python per vector instruction set
     (seconds each); after setup a compile in this process, and in a worker it starts, reads the CPU's flags instead.
     A value the learner set is kept."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
     if preset is not None:
         env["TORCHINDUCTOR_VEC_ISA_OK"] = preset
